@@ -1,0 +1,81 @@
+"""Gated grouped-query attention: q_proj yields query and output gate per head; q/k RMSNorm before partial
+RoPE; K/V written to the paged cache; output o_proj(attn * sigmoid(gate))."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve.config import ModelConfig
+from deltaserve.model.context import ForwardContext
+from deltaserve.model.layers import RMSNorm, RotaryEmbedding
+from deltaserve.ops.attention import decode_attention, prefill_attention, write_kv
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = self.head_dim**-0.5
+        H = cfg.hidden_size
+        self.q_proj = nn.Linear(H, self.num_heads * self.head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, ctx: ForwardContext, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        # Per head: the first hd outputs are the query, the next hd the gate.
+        q, gate = self.q_proj(x).view(T, nh, 2 * hd).split(hd, dim=-1)
+        q = rope(self.q_norm(q), cos, sin)
+        k = rope(self.k_norm(self.k_proj(x).view(T, nkv, hd)), cos, sin)
+        v = self.v_proj(x).view(T, nkv, hd)
+        out = self._attend(q, k, v, ctx)  # [T, nh, hd]
+        out = out.reshape(T, nh * hd) * torch.sigmoid(gate.reshape(T, nh * hd))
+        return self.o_proj(out)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if ctx.cache is None:
+            if ctx.uniform_len:
+                L = ctx.uniform_len
+                B = q.shape[0] // L
+                view = lambda t: t.view(B, L, *t.shape[1:]).transpose(1, 2)  # noqa: E731
+                out = F.scaled_dot_product_attention(
+                    view(q), view(k), view(v), is_causal=True, scale=self.scale, enable_gqa=True
+                )
+                return out.transpose(1, 2).reshape(q.shape)
+            outs = []
+            for b in range(ctx.num_seqs):
+                s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
+                        is_causal=True, scale=self.scale, enable_gqa=True,
+                    ).transpose(0, 1)
+                )
+            return torch.cat(outs)
+
+        k_cache, v_cache = ctx.cache.kv[self.layer_id]
+        write_kv(k_cache, v_cache, ctx.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        if ctx.decode_seqs:
+            seqs = ctx.decode_seqs
+            seq_lens = torch.tensor([ctx.seq_lens[b] for b in seqs])
+            out[ctx.decode_tokens] = decode_attention(
+                q[ctx.decode_tokens], k_cache, v_cache, ctx.block_tables[seqs], seq_lens, self.scale
+            )
+        for b in ctx.prefill_seqs:
+            s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]
+            out[s:e] = prefill_attention(
+                q[s:e], k_cache, v_cache, ctx.block_tables[b], ctx.seq_lens[b], self.scale
+            )
+        return out

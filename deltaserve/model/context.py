@@ -1,0 +1,101 @@
+"""What one forward needs to know about the flat batch: where each sequence starts, how much of it is
+already cached, and the cache tensors themselves. The model reads this; it never allocates cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class CacheTensors:
+    """Cache storage for every layer. Attention layers (and the MTP layer) page K/V in blocks; GDN layers
+    keep one state slot per running sequence."""
+
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer id -> k, v [num_blocks, block_size, nkv, hd]
+    conv: dict[int, torch.Tensor]  # GDN layer id -> [num_slots, conv_dim, K-1]
+    ssm: dict[int, torch.Tensor]  # GDN layer id -> [num_slots, Hv, dk, dv] (fp32)
+
+    @property
+    def block_size(self) -> int:
+        return next(iter(self.kv.values()))[0].shape[1] if self.kv else 1
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """A flat batch of B sequences, T tokens in all. Sequence b owns tokens
+    query_start_loc[b] : query_start_loc[b+1]; context_lens[b] of its tokens were cached by earlier
+    steps (0 = a fresh sequence, whose GDN state starts from zeros whatever its slot holds).
+
+    With `cache` None the forward is stateless: every sequence is fresh and complete, nothing is
+    stored (training, tracing). Stateless batches of equal lengths run as one [B, L] batch."""
+
+    positions: torch.Tensor  # [T] (or [3, T] for multimodal RoPE)
+    query_start_loc: list[int]  # [B + 1]
+    context_lens: list[int]  # [B]
+    cache: CacheTensors | None = None
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] long, padded
+    state_slots: torch.Tensor | None = None  # [B] long
+    slot_mapping: torch.Tensor | None = None  # [T] long: flat KV row of each new token
+    # derived in __post_init__
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    decode_seqs: list[int] = field(default_factory=list)  # sequences with exactly one new token
+    prefill_seqs: list[int] = field(default_factory=list)  # the others (prompt chunks)
+    decode_tokens: torch.Tensor | None = None  # [D] token index of each decode sequence
+    decode_fresh: torch.Tensor | None = None  # [D] bool: decode sequence with nothing cached
+    uniform_len: int = 0  # stateless batch whose sequences all have this length (else 0)
+
+    def __post_init__(self) -> None:
+        qsl = self.query_start_loc
+        self.query_lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+        self.seq_lens = [c + q for c, q in zip(self.context_lens, self.query_lens)]
+        if self.cache is None:
+            if any(self.context_lens):
+                raise ValueError("a stateless forward (no cache) cannot continue cached sequences")
+            lens = set(self.query_lens)
+            self.uniform_len = lens.pop() if len(lens) == 1 else 0
+            self.prefill_seqs = list(range(len(self.query_lens)))
+            return
+        self.decode_seqs = [b for b, q in enumerate(self.query_lens) if q == 1]
+        self.prefill_seqs = [b for b, q in enumerate(self.query_lens) if q != 1]
+        self.decode_tokens = torch.tensor([qsl[b] for b in self.decode_seqs], dtype=torch.long)
+        self.decode_fresh = torch.tensor([self.context_lens[b] == 0 for b in self.decode_seqs])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @classmethod
+    def stateless(cls, lengths: list[int]) -> ForwardContext:
+        """Context for complete sequences of the given lengths, laid end to end, with no cache."""
+        qsl = [0]
+        for n in lengths:
+            qsl.append(qsl[-1] + n)
+        positions = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0, dtype=torch.long)
+        return cls(positions=positions, query_start_loc=qsl, context_lens=[0] * len(lengths))
+
+    @classmethod
+    def paged(
+        cls, cache: CacheTensors, query_lens: list[int], context_lens: list[int],
+        block_tables: list[list[int]], state_slots: list[int],
+    ) -> ForwardContext:
+        """Context for sequences that continue at context_lens[b], reading/writing the given blocks."""
+        block_size = cache.block_size
+        qsl, positions, slots = [0], [], []
+        for q, c, table in zip(query_lens, context_lens, block_tables):
+            qsl.append(qsl[-1] + q)
+            for p in range(c, c + q):
+                positions.append(p)
+                slots.append(table[p // block_size] * block_size + p % block_size)
+        width = max((len(t) for t in block_tables), default=0)
+        tables = torch.zeros(len(block_tables), max(width, 1), dtype=torch.long)
+        for b, t in enumerate(block_tables):
+            tables[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+        return cls(
+            positions=torch.tensor(positions, dtype=torch.long), query_start_loc=qsl,
+            context_lens=list(context_lens), cache=cache, block_tables=tables,
+            state_slots=torch.tensor(state_slots, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+        )

@@ -1,0 +1,98 @@
+"""The decoder stack: layers dispatched on `layer_types`, the text model, and the causal-LM head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltaserve.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from deltaserve.model.attention import GatedAttention
+from deltaserve.model.context import ForwardContext
+from deltaserve.model.gdn import GatedDeltaNet
+from deltaserve.model.layers import RMSNorm, RotaryEmbedding
+from deltaserve.model.mlp import MLP
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x += mixer(input_layernorm(x)); x += mlp(post_attention_layernorm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, layer_type: str) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.layer_type = layer_type
+        if layer_type == LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(cfg, layer_id)
+        elif layer_type == FULL_ATTENTION:
+            self.self_attn = GatedAttention(cfg, layer_id)
+        else:
+            raise ValueError(f"layer {layer_id}: unknown layer type {layer_type!r}")
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def mix(self, x: torch.Tensor, ctx: ForwardContext, rope: RotaryEmbedding, cos_sin: tuple) -> torch.Tensor:
+        """The mixer's contribution to the residual stream (before the MLP)."""
+        h = self.input_layernorm(x)
+        if self.layer_type == LINEAR_ATTENTION:
+            return self.linear_attn(h, ctx)
+        return self.self_attn(h, ctx, rope, *cos_sin)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: RotaryEmbedding, cos_sin: tuple) -> torch.Tensor:
+        x = x + self.mix(x, ctx, rope, cos_sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, t) for i, t in enumerate(cfg.layer_types))
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved
+        )
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids [T] -> final-normed hidden states [T, H]."""
+        x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(ctx.positions)
+        for layer in self.layers:
+            x = layer(x, ctx, self.rotary, cos_sin)
+        return self.norm(x)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Trunk + lm_head (+ the MTP head when the checkpoint has one)."""
+
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = False) -> None:
+        super().__init__()
+        cfg.check_supported()
+        self.config = cfg
+        self.model = TextModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = None
+        if with_mtp:
+            from deltaserve.model.mtp import MTPHead
+
+            self.mtp = MTPHead(cfg)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Final-normed hidden states [T, H]; no logits (ask compute_logits for the rows you need)."""
+        return self.model(input_ids, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+        """Logits (fp32) only at the requested rows of the final-normed hidden states."""
+        if rows is not None:
+            hidden = hidden[rows]
+        return self.lm_head(hidden).float()
+
+    def mtp_hidden(
+        self, next_token_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, step: int = 0
+    ) -> torch.Tensor:
+        """MTP hidden [T, H] from trunk (or previous MTP) hidden at t and token t+1; logits via compute_logits."""
+        if self.mtp is None:
+            raise ValueError("this checkpoint has no MTP head (no mtp.* tensors)")
+        embed = self.mtp.embed_tokens if self.mtp.embed_tokens is not None else self.model.embed_tokens
+        return self.mtp(embed(next_token_ids), hidden, ctx, self.model.rotary, step)

@@ -1,0 +1,131 @@
+"""Gated DeltaNet mixer: projections, causal conv on q|k|v, the gated delta rule, gated RMSNorm, out_proj.
+
+Prompt chunks run the chunked rule per sequence; single decode tokens of all sequences run one batched
+recurrent step. States live in the cache's slots: conv [conv_dim, K-1] and recurrent [Hv, dk, dv] fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve.config import ModelConfig
+from deltaserve.model.context import ForwardContext
+from deltaserve.model.layers import GatedRMSNorm
+from deltaserve.ops.conv import causal_conv1d, causal_conv1d_step
+from deltaserve.ops.delta_rule import delta_rule_chunked, delta_rule_step
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_k_heads = cfg.linear_num_key_heads
+        self.num_v_heads = cfg.linear_num_value_heads
+        self.head_k_dim = cfg.linear_key_head_dim
+        self.head_v_dim = cfg.linear_value_head_dim
+        self.key_dim = cfg.linear_key_dim
+        self.value_dim = cfg.linear_value_dim
+        self.conv_dim = cfg.conv_dim
+        self.kernel_size = cfg.linear_conv_kernel_dim
+        H = cfg.hidden_size
+        self.in_proj_qkv = nn.Linear(H, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(H, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(H, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, self.kernel_size, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads).uniform_(0.01, 16).log())
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.in_proj_qkv(x)  # [T, conv_dim]
+        z = self.in_proj_z(x).view(T, self.num_v_heads, self.head_v_dim)
+        beta = self.in_proj_b(x).float().sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        weight = self.conv1d.weight[:, 0, :]  # [conv_dim, K]
+
+        if ctx.cache is None:
+            core = self._stateless(qkv, g, beta, weight, ctx)
+        else:
+            core = self._cached(qkv, g, beta, weight, ctx)
+        out = self.norm(core.to(x.dtype), z).reshape(T, self.value_dim)
+        return self.out_proj(out)
+
+    def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Post-conv q|k|v [..., conv_dim] -> q, k [..., Hv, dk] (normalised, q scaled), v [..., Hv, dv]."""
+        lead = mixed.shape[:-1]
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2norm(q.reshape(*lead, self.num_k_heads, self.head_k_dim).float()) * self.head_k_dim**-0.5
+        k = l2norm(k.reshape(*lead, self.num_k_heads, self.head_k_dim).float())
+        rep = self.num_v_heads // self.num_k_heads
+        if rep > 1:
+            q = q.repeat_interleave(rep, dim=-2)
+            k = k.repeat_interleave(rep, dim=-2)
+        return q, k, v.reshape(*lead, self.num_v_heads, self.head_v_dim).float()
+
+    def _stateless(
+        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        T = qkv.shape[0]
+        if ctx.uniform_len:
+            # B equal sequences: batch the conv over B and fold B into the head axis of the delta rule.
+            L = ctx.uniform_len
+            B = T // L
+            pad = self.kernel_size - 1
+            mixed = F.conv1d(
+                F.pad(qkv.view(B, L, -1).transpose(1, 2), (pad, 0)), weight[:, None, :], groups=self.conv_dim
+            )
+            q, k, v = self._split_heads(F.silu(mixed).transpose(1, 2))  # [B, L, Hv, d]
+            fold = lambda t: t.transpose(0, 1).reshape(L, B * self.num_v_heads, *t.shape[3:])  # noqa: E731
+            o, _ = delta_rule_chunked(fold(q), fold(k), fold(v), fold(g.view(B, L, -1)), fold(beta.view(B, L, -1)))
+            return o.view(L, B, self.num_v_heads, self.head_v_dim).transpose(0, 1).reshape(T, self.num_v_heads, -1)
+        outs = []
+        zero_conv = qkv.new_zeros(self.conv_dim, self.kernel_size - 1)
+        for b in range(ctx.num_seqs):
+            s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]
+            mixed, _ = causal_conv1d(qkv[s:e], weight, zero_conv)
+            q, k, v = self._split_heads(F.silu(mixed))
+            outs.append(delta_rule_chunked(q, k, v, g[s:e], beta[s:e])[0])
+        return torch.cat(outs)
+
+    def _cached(
+        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        conv_cache = ctx.cache.conv[self.layer_id]
+        ssm_cache = ctx.cache.ssm[self.layer_id]
+        T = qkv.shape[0]
+        core = qkv.new_empty(T, self.num_v_heads, self.head_v_dim, dtype=torch.float32)
+        if ctx.decode_seqs:
+            idx = ctx.decode_tokens
+            slots = ctx.state_slots[ctx.decode_seqs]
+            keep = (~ctx.decode_fresh).to(conv_cache.dtype)
+            conv_state = conv_cache[slots] * keep[:, None, None]
+            mixed, conv_state = causal_conv1d_step(qkv[idx], weight, conv_state)
+            conv_cache[slots] = conv_state.to(conv_cache.dtype)
+            q, k, v = self._split_heads(F.silu(mixed))
+            state = ssm_cache[slots].float() * keep.float()[:, None, None, None]
+            o, state = delta_rule_step(q, k, v, g[idx], beta[idx], state)
+            ssm_cache[slots] = state.to(ssm_cache.dtype)
+            core[idx] = o
+        for b in ctx.prefill_seqs:
+            s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]
+            slot = int(ctx.state_slots[b])
+            fresh = ctx.context_lens[b] == 0
+            conv_state = torch.zeros_like(conv_cache[slot]) if fresh else conv_cache[slot]
+            mixed, conv_state = causal_conv1d(qkv[s:e], weight, conv_state)
+            conv_cache[slot] = conv_state.to(conv_cache.dtype)
+            q, k, v = self._split_heads(F.silu(mixed))
+            o, state = delta_rule_chunked(q, k, v, g[s:e], beta[s:e], None if fresh else ssm_cache[slot])
+            ssm_cache[slot] = state.to(ssm_cache.dtype)
+            core[s:e] = o
+        return core

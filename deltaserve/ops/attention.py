@@ -1,0 +1,78 @@
+"""Causal grouped-query attention over a paged KV cache.
+
+Cache layout per attention layer: k_cache, v_cache [num_blocks, block_size, nkv, hd]. A sequence owns the
+blocks listed in its block table; its token at position p lives in block table[p // block_size], row
+p % block_size. Query head h reads kv head h // (nh / nkv).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Store k, v [T, nkv, hd] at flat slots [T] (block * block_size + offset)."""
+    nkv, hd = k_cache.shape[-2:]
+    k_cache.view(-1, nkv, hd).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, nkv, hd).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached rows of one sequence, [length, nkv, hd]."""
+    block_size = cache.shape[1]
+    blocks = block_table[: (length + block_size - 1) // block_size]
+    return cache[blocks].flatten(0, 1)[:length]
+
+
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Plain softmax attention: q [Tq, nh, hd] are the last Tq of the L positions in k, v [L, nkv, hd]."""
+    Tq, nh, _ = q.shape
+    L, nkv, _ = k.shape
+    rep = nh // nkv
+    k = k.repeat_interleave(rep, dim=1).float()
+    v = v.repeat_interleave(rep, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    allowed = torch.arange(L)[None, :] <= torch.arange(L - Tq, L)[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+
+
+def prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_len: int, scale: float,
+) -> torch.Tensor:
+    """One sequence: q [Tq, nh, hd] for positions seq_len-Tq .. seq_len-1, whose K/V are already written."""
+    Tq = q.shape[0]
+    k = gather_kv(k_cache, block_table, seq_len).transpose(0, 1)  # [nkv, L, hd]
+    v = gather_kv(v_cache, block_table, seq_len).transpose(0, 1)
+    qh = q.transpose(0, 1)  # [nh, Tq, hd]
+    if Tq == seq_len:
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        allowed = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - Tq, seq_len)[:, None]
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """B sequences with one query each: q [B, nh, hd], block_tables [B, nb] (padded), seq_lens [B]."""
+    B = q.shape[0]
+    block_size = k_cache.shape[1]
+    max_len = int(seq_lens.max())
+    nb = (max_len + block_size - 1) // block_size
+    tables = block_tables[:, :nb]
+    k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, nkv, L, hd]
+    v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    allowed = (torch.arange(max_len)[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=allowed, scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0, :].reshape(B, *q.shape[1:])

@@ -1,0 +1,123 @@
+"""Small random checkpoints built with transformers, saved in either layout, for the tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+TINY = dict(
+    vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+    linear_conv_kernel_dim=4, partial_rotary_factor=0.5, max_position_embeddings=512,
+)
+# 27B ratios: Hv = 3 Hk, nh = 6 nkv, partial rotary 0.25, [lin, lin, lin, full] x 2; dk != dv
+RATIOS_27B = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
+    num_attention_heads=6, num_key_value_heads=1, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4, partial_rotary_factor=0.25, max_position_embeddings=1024,
+)
+
+
+def mrope_section(head_dim: int, partial: float) -> list[int]:
+    """Split the rotary half-dims over (t, h, w) as the 27B does ([11, 11, 10] of 32)."""
+    half = int(head_dim * partial) // 2
+    h = w = half // 3
+    return [half - h - w, h, w]
+
+
+def hf_config(shape: dict, tie: bool = False, layer_types: list[str] | None = None):
+    from transformers import Qwen3_5TextConfig
+
+    kwargs = dict(shape)
+    partial = kwargs.pop("partial_rotary_factor")
+    cfg = Qwen3_5TextConfig(
+        **kwargs, tie_word_embeddings=tie, layer_types=layer_types,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+                         "mrope_section": mrope_section(shape["head_dim"], partial), "mrope_interleaved": True},
+        eos_token_id=1, pad_token_id=0, bos_token_id=None,
+    )
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def random_hf_model(shape: dict = TINY, seed: int = 0, tie: bool = False, layer_types=None):
+    """A transformers Qwen3_5ForCausalLM whose every parameter (norm weights included) is random."""
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(hf_config(shape, tie, layer_types)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.5, 8).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p) * 0.5)
+            elif "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "linear_attn.norm" in name else 0.0))
+            else:
+                p.copy_(torch.randn_like(p) * 0.08)
+    return model
+
+
+def random_mtp_tensors(shape: dict, seed: int = 1) -> dict[str, torch.Tensor]:
+    """mtp.* tensors for the official layout: fc, two pre-fc norms, one attention decoder layer, norm."""
+    g = torch.Generator().manual_seed(seed)
+    H, I = shape["hidden_size"], shape["intermediate_size"]
+    nh, nkv, hd = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    r = lambda *s, scale=0.08: torch.randn(*s, generator=g) * scale  # noqa: E731
+    p = "mtp.layers.0."
+    return {
+        "mtp.fc.weight": r(H, 2 * H),
+        "mtp.pre_fc_norm_embedding.weight": r(H, scale=0.2),
+        "mtp.pre_fc_norm_hidden.weight": r(H, scale=0.2),
+        "mtp.norm.weight": r(H, scale=0.2),
+        p + "input_layernorm.weight": r(H, scale=0.2),
+        p + "post_attention_layernorm.weight": r(H, scale=0.2),
+        p + "self_attn.q_proj.weight": r(2 * nh * hd, H),
+        p + "self_attn.k_proj.weight": r(nkv * hd, H),
+        p + "self_attn.v_proj.weight": r(nkv * hd, H),
+        p + "self_attn.o_proj.weight": r(H, nh * hd),
+        p + "self_attn.q_norm.weight": r(hd, scale=0.2),
+        p + "self_attn.k_norm.weight": r(hd, scale=0.2),
+        p + "mlp.gate_proj.weight": r(I, H),
+        p + "mlp.up_proj.weight": r(I, H),
+        p + "mlp.down_proj.weight": r(H, I),
+    }
+
+
+def save_causal_lm_layout(model, path: Path) -> Path:
+    """transformers' own save: `model.*` names, model_type qwen3_5_text."""
+    model.save_pretrained(path)
+    return path
+
+
+def save_official_layout(model, path: Path, mtp: dict[str, torch.Tensor] | None = None) -> Path:
+    """The released layout: `model.language_model.*` + `mtp.*`, config model_type qwen3_5 with text_config."""
+    tmp = path / "_hf"
+    model.save_pretrained(tmp)
+    tensors = load_file(str(tmp / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        out[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name] = t
+    if "lm_head.weight" not in out and not model.config.tie_word_embeddings:
+        out["lm_head.weight"] = model.lm_head.weight.detach().clone()
+    out.update(mtp or {})
+    save_file({k: v.contiguous() for k, v in out.items()}, str(path / "model.safetensors"))
+    text = json.loads((tmp / "config.json").read_text())
+    text["model_type"] = "qwen3_5_text"
+    if mtp:
+        text["mtp_num_hidden_layers"] = 1
+    config = {
+        "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": text, "tie_word_embeddings": model.config.tie_word_embeddings,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    for f in tmp.iterdir():
+        f.unlink()
+    tmp.rmdir()
+    return path
