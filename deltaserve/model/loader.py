@@ -155,7 +155,7 @@ def load_model(
                 scale_name = name[: -len("weight")] + "weight_scale_inv"
                 if scale_name not in names:
                     raise CheckpointError(f"fp8 tensor {name!r} has no {scale_name!r}")
-                scale = next(iter_tensors(path, names, [scale_name]))[1]
+                scale = _open(names[scale_name]).get_tensor(scale_name)
                 tensor = dequantize_fp8(tensor, scale, block)
             if tuple(tensor.shape) != tuple(param.shape):
                 raise CheckpointError(
