@@ -1,0 +1,64 @@
+"""EngineConfig: how the engine runs a model (lengths, batch limits, cache budget), validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from deltaserve.config import UnsupportedFeatureError
+
+DEFAULT_KV_CACHE_MEMORY = 256 * 1024**2
+KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
+class EngineConfigError(ValueError):
+    """An engine option with a value the engine cannot use; the message names option, value and what fits."""
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # checkpoint directory; None = the embedded demo checkpoint
+    dtype: str = "auto"  # "auto" = float32 on CPU
+    max_model_len: int | None = None  # None = the model's max_position_embeddings, if the cache holds it
+    max_num_seqs: int = 64
+    # One step's token budget. Larger chunks prefill faster on CPU; decode steps never come near it.
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    # Bytes for KV blocks + GDN state slots; capped by what max_num_seqs sequences of max_model_len need.
+    kv_cache_memory: int | None = None
+    num_kv_blocks: int | None = None  # force the block count (tests of cache pressure); overrides memory
+    enable_prefix_caching: bool = False
+    speculative_config: dict[str, Any] | None = None
+    tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise EngineConfigError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "kv_cache_memory", "num_kv_blocks", "tensor_parallel_size"):
+            positive(name)
+        if self.dtype not in DTYPES:
+            raise EngineConfigError(f"dtype {self.dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineConfigError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; accepted: {', '.join(KV_CACHE_DTYPES)}"
+            )
+        if self.enable_prefix_caching:
+            raise UnsupportedFeatureError(
+                "enable_prefix_caching=True is not supported yet (GDN layers need 'align' state snapshots); "
+                "run with enable_prefix_caching=False"
+            )
+        if self.speculative_config is not None:
+            raise UnsupportedFeatureError(
+                f"speculative_config={self.speculative_config!r} is not supported yet; pass None"
+            )
+        if self.tensor_parallel_size != 1:
+            raise UnsupportedFeatureError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported on this engine; use 1"
+            )

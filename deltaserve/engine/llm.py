@@ -1,0 +1,111 @@
+"""LLM: the offline entry point (vLLM's names): build an engine, run prompts to completion, return
+RequestOutputs in input order."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.outputs import RequestOutput
+from deltaserve.sampling import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    def __init__(
+        self, model: str | None = None, dtype: str = "auto", max_model_len: int | None = None,
+        max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = False,
+        speculative_config: dict[str, Any] | None = None, tensor_parallel_size: int = 1,
+        kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None, seed: int = 0,
+        block_size: int = 16, num_kv_blocks: int | None = None,
+    ) -> None:
+        self.config = EngineConfig(
+            model=None if model is None else str(model), dtype=dtype, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, speculative_config=speculative_config,
+            tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
+            kv_cache_memory=kv_cache_memory, seed=seed, block_size=block_size, num_kv_blocks=num_kv_blocks,
+        )
+        self.engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self, prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, {"prompt_token_ids": [...]} or a list of those."""
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"got {len(params)} sampling_params for {len(prompts)} prompts; pass one or one per prompt"
+                )
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)  # nothing half-queued stays behind in the engine
+            self.engine.discard_pending_outputs()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self, messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} messages) or a list of conversations."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("this model directory has no tokenizer.json, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(ids)
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req")
+        try:
+            while len(final) < len(ids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            # An interrupted generate must not leave its requests holding cache for the next call.
+            self.engine.abort_request([i for i in ids if i not in final])
+            self.engine.discard_pending_outputs()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [final[i] for i in ids]

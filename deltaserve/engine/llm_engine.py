@@ -1,0 +1,300 @@
+"""LLMEngine: requests in, one scheduled forward per step(), incremental RequestOutputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deltaserve.cache.manager import CacheManager, CacheUsage
+from deltaserve.cache.tensors import allocate_cache
+from deltaserve.config import ModelConfig
+from deltaserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, EngineConfigError
+from deltaserve.engine.detokenizer import IncrementalDetokenizer, check_stop
+from deltaserve.engine.planner import gdn_state_bytes_per_seq, kv_bytes_per_block
+from deltaserve.engine.request import Request, RequestGroup, RequestStatus
+from deltaserve.engine.runner import ModelRunner
+from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_params_for_vocab
+from deltaserve.engine.scheduler import DECODE, Scheduler, SchedulerOutput
+from deltaserve.model.decoder import Qwen3_5ForCausalLM
+from deltaserve.model.loader import load_model
+from deltaserve.outputs import RequestOutput
+from deltaserve.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+class PromptTooLongError(ValueError):
+    """The prompt has more tokens than max_model_len allows."""
+
+
+@dataclass(slots=True)
+class CachePlan:
+    num_blocks: int
+    num_slots: int
+    max_model_len: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    cache: CacheUsage
+    prompt_tokens: int  # tokens run through the model as prompt/recompute chunks, all steps
+    generation_tokens: int  # tokens sampled, all steps
+
+
+def plan_cache(cfg: ModelConfig, econf: EngineConfig, kv_dtype: torch.dtype) -> CachePlan:
+    """Split kv_cache_memory between max_num_seqs GDN state slots and as many KV blocks as fit, no more
+    than max_num_seqs sequences of max_model_len could use. Raise if one max_model_len sequence does not
+    fit, since then a lone request could never complete."""
+    bs = econf.block_size
+    slots = econf.max_num_seqs
+    block_bytes = kv_bytes_per_block(cfg, bs, kv_dtype, False)
+    slot_bytes = gdn_state_bytes_per_seq(cfg, kv_dtype)
+    memory = econf.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+    if econf.num_kv_blocks is not None:
+        available = econf.num_kv_blocks
+    else:
+        if slots * slot_bytes > memory:
+            raise EngineConfigError(
+                f"kv_cache_memory={memory} bytes cannot hold the GDN states of max_num_seqs={slots} "
+                f"sequences ({slots * slot_bytes} bytes); raise kv_cache_memory or lower max_num_seqs"
+            )
+        available = (memory - slots * slot_bytes) // max(block_bytes, 1)
+    max_len = econf.max_model_len
+    if max_len is None:
+        # The model's own limit, shortened (with a warning) to what one sequence can hold in this cache.
+        max_len = min(cfg.max_position_embeddings, available * bs)
+        if max_len < cfg.max_position_embeddings:
+            log.warning("max_model_len set to %d (the cache holds no more); the model allows %d",
+                        max_len, cfg.max_position_embeddings)
+    elif max_len > cfg.max_position_embeddings:
+        raise EngineConfigError(
+            f"max_model_len={max_len} exceeds the model's max_position_embeddings "
+            f"({cfg.max_position_embeddings})"
+        )
+    per_seq = -(-max_len // bs)
+    if available < per_seq or max_len <= 0:
+        raise EngineConfigError(
+            f"the KV cache has {available} blocks of {bs} tokens but one sequence of max_model_len={max_len} "
+            f"needs {per_seq}; raise kv_cache_memory / num_kv_blocks or lower max_model_len"
+        )
+    blocks = available if econf.num_kv_blocks is not None else min(available, slots * per_seq)
+    return CachePlan(num_blocks=blocks, num_slots=slots, max_model_len=max_len)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: Qwen3_5ForCausalLM | None = None,
+                 tokenizer: Any | None = None) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)  # unseeded random sampling draws from the global generator
+        dtype = torch.float32 if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
+        path = self._model_path()
+        self.model = model if model is not None else load_model(path, dtype, with_mtp=False)
+        self.model_config = self.model.config
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
+        kv_dtype = dtype if config.kv_cache_dtype == "auto" else TORCH_DTYPES[config.kv_cache_dtype]
+        plan = plan_cache(self.model_config, config, kv_dtype)
+        self.max_model_len = plan.max_model_len
+        self.cache_tensors = allocate_cache(
+            self.model_config, plan.num_blocks, config.block_size, plan.num_slots, kv_dtype, with_mtp=False
+        )
+        self.cache = CacheManager(plan.num_blocks, config.block_size, plan.num_slots)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = sorted(eos)
+        self.runner = ModelRunner(self.model, self.cache_tensors, self.cache, Sampler(self.eos_token_ids))
+        self.groups: dict[str, RequestGroup] = {}
+        self.requests: dict[str, Request] = {}
+        self._aborted_outputs: list[RequestOutput] = []
+        self.num_steps = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.last_schedule: SchedulerOutput | None = None
+        # Called after every step with its SchedulerOutput (metrics, the inspector's step trace).
+        self.step_listeners: list[Callable[[SchedulerOutput], None]] = []
+
+    def _model_path(self) -> Path:
+        if self.config.model is not None:
+            return Path(self.config.model)
+        from deltaserve.assets import demo_checkpoint_path
+
+        return demo_checkpoint_path()
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: str | list[int] | dict[str, Any],
+        params: SamplingParams | None = None,
+    ) -> None:
+        """Queue a request. prompt: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": text}."""
+        params = params or SamplingParams()
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        self._validate_prompt(ids)
+        validate_params_for_vocab(params, self.model_config.vocab_size)
+        group = RequestGroup(request_id, text, ids, params)
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            req = Request(
+                request_id=child_id, prompt_token_ids=ids, params=params,
+                sampling=make_sampling_state(params, ids, seed_offset=i),
+                detokenizer=detok, group=group, index=i,
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            req.metrics.arrival_time = group.arrival_time
+            group.children.append(req)
+            self.requests[child_id] = req
+            self.scheduler.add(req)
+        self.groups[request_id] = group
+
+    def _tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer.json; pass prompt_token_ids instead of text")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list | tuple):
+            return None, [int(t) for t in prompt]
+        raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty; it needs at least one token")
+        if len(ids) > self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens, longer than max_model_len={self.max_model_len}"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop a request (all its n sequences) now and free its cache; its final output, finish_reason
+        "abort", comes from the next step(). Unknown or finished ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            group = self.groups.pop(rid, None)
+            if group is None:
+                continue
+            for req in group.children:
+                if not req.is_finished:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                    req.metrics.finished_time = time.monotonic()
+                self.requests.pop(req.request_id, None)
+            self._aborted_outputs.append(group.output())
+
+    def discard_pending_outputs(self) -> None:
+        """Drop the final outputs of aborted requests that no one will read."""
+        self._aborted_outputs.clear()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._aborted_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        sched = self.scheduler.schedule()
+        self.last_schedule = sched
+        if sched.is_empty:
+            return outputs
+        self.num_steps += 1
+        result = self.runner.execute(sched)
+        for s in sched.scheduled:
+            s.request.num_computed_tokens += s.num_tokens
+            if s.kind != DECODE:
+                self.prompt_tokens += s.num_tokens
+        touched: dict[str, RequestGroup] = {}
+        if result.sampled is not None:
+            now = time.monotonic()
+            for rid, token, lp in zip(result.request_ids, result.sampled.token_ids, result.sampled.logprobs):
+                req = self.requests[rid]
+                self._append_token(req, token, lp, now)
+                touched[req.group.request_id] = req.group
+        for group in touched.values():
+            outputs.append(group.output())
+            if group.finished:
+                del self.groups[group.request_id]
+                for req in group.children:
+                    self.requests.pop(req.request_id, None)
+        for listener in self.step_listeners:
+            listener(sched)
+        return outputs
+
+    def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> None:
+        self.generation_tokens += 1
+        req.output_token_ids.append(token)
+        req.sampling.output_token_ids.append(token)
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        elif m.last_token_time is not None:
+            m.inter_token_latencies.append(now - m.last_token_time)
+        m.last_token_time = now
+        if req.logprobs is not None and logprobs is not None:
+            req.logprobs.append(logprobs)
+            req.cumulative_logprob = (req.cumulative_logprob or 0.0) + logprobs.get(token, 0.0)
+        delta_len = 0
+        if req.detokenizer is not None:
+            delta_len = len(req.detokenizer.add(token))
+            text = req.detokenizer.text
+        else:
+            text = ""
+        result = check_stop(text, delta_len, token, len(req.output_token_ids), req.params, self.eos_token_ids)
+        reason = result.finish_reason
+        req.text = result.text
+        if reason is None and req.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            if reason == "length" and req.detokenizer is not None:
+                req.detokenizer.flush()  # bytes held back for an unfinished character come out now
+                req.text = req.detokenizer.text
+            req.stop_reason = result.stop_reason
+            status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
+            self.scheduler.finish(req, status)
+            m.finished_time = now
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_steps=self.num_steps, num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting), num_preemptions=self.scheduler.num_preemptions,
+            cache=self.cache.usage(), prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+        )
+
+
+def _load_tokenizer(path: Path) -> Any | None:
+    """The checkpoint's tokenizer, or None when it ships none (random test checkpoints)."""
+    if not (path / "tokenizer.json").exists():
+        return None
+    from deltaserve.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(path)

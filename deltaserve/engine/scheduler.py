@@ -1,0 +1,135 @@
+"""Continuous batching with chunked prefill.
+
+Every step fills one token budget (max_num_batched_tokens) under a sequence cap (max_num_seqs). Running
+requests go first: each gets what it still has to compute (one token when decoding, the next chunk when
+its prompt is only partly in the cache). Then waiting requests are admitted in arrival order with as much
+of their prompt as the budget leaves, so prefill chunks and decode tokens share one forward.
+
+When the KV blocks run out, the newest running request is preempted: its blocks and state slot are freed,
+it goes back to the front of the queue, and later its prompt plus the tokens it already generated are
+recomputed. A request never fails for cache pressure (the engine checks that one max_model_len sequence
+fits in the whole cache)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from deltaserve.cache.manager import CacheManager
+from deltaserve.engine.request import Request, RequestStatus
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens of this request in this step's forward
+    context_len: int  # tokens already in the cache before this step
+    kind: str  # PREFILL (a prompt/recompute chunk) or DECODE (the one token sampled last step)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step ends the request's pending tokens, so its last row yields a new token."""
+        return self.context_len + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_waiting: int
+    num_running: int
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def summary(self) -> list[tuple[str, int, str]]:
+        """(request_id, num_tokens, kind) per scheduled request, for traces and the inspector."""
+        return [(s.request.request_id, s.num_tokens, s.kind) for s in self.scheduled]
+
+
+class Scheduler:
+    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the newest is preempted first
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        now = time.monotonic()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_pending_tokens, budget)
+            ok = True
+            while not self.cache.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    ok = False
+                    break
+            if not ok:
+                break
+            scheduled.append(self._entry(req, n))
+            budget -= n
+            i += 1
+
+        # Nothing new joins while running requests were just evicted for space: they come back first.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            n = min(req.num_pending_tokens, budget)
+            if not self.cache.allocate(req.request_id, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            self.running.append(req)
+            scheduled.append(self._entry(req, n))
+            budget -= n
+        return SchedulerOutput(scheduled, len(self.waiting), len(self.running), preempted)
+
+    @staticmethod
+    def _entry(req: Request, n: int) -> ScheduledRequest:
+        # A single token that finishes the pending work is a decode step (for a fresh 1-token prompt too).
+        kind = DECODE if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens else PREFILL
+        return ScheduledRequest(req, n, req.num_computed_tokens, kind)
+
+    def _preempt(self, req: Request) -> None:
+        self.cache.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Retire req (stopped, length or aborted) from wherever it is and free its cache."""
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.cache.free(req.request_id)
