@@ -8,7 +8,10 @@ from pathlib import Path
 
 from deltaserve.config import ModelConfig
 from deltaserve.engine.known_configs import KNOWN_CONFIGS, known_config
-from deltaserve.engine.planner import KV_CACHE_DTYPES, format_plan, plan_memory
+
+# Kept here (equal to planner.KV_CACHE_DTYPES, a test holds them together) so that building the CLI parser
+# does not import torch; the planner is imported when the command runs.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "demo"
 
@@ -41,7 +44,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default=None, help="model (activation) dtype; default: the config's")
     p.add_argument("--weight-dtype", default=None,
-                   help="bfloat16 | float16 | float32 | fp8 (default: fp8 for an FP8 checkpoint, else --dtype)")
+                   help="bfloat16 | float16 | float32 | fp8 "
+                   "(default: fp8 for an FP8 checkpoint, else --dtype)")
     p.add_argument("--speculative", action="store_true", help="count the MTP head and its KV cache")
     p.add_argument("--no-vision", action="store_true", help="leave the vision tower out of the weights")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
@@ -51,6 +55,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from deltaserve.engine.planner import format_plan, plan_memory
+
     try:
         cfg, name = load_plan_config(args.model)
         plan = plan_memory(

@@ -54,7 +54,8 @@ class Tokenizer:
             tid = self._tok.token_to_id(self.special_tokens["eos_token"])
             if tid is None:
                 raise TokenizerError(
-                    f"tokenizer_config.json eos_token {self.special_tokens['eos_token']!r} is not in the vocabulary"
+                    f"tokenizer_config.json eos_token {self.special_tokens['eos_token']!r} "
+                    "is not in the vocabulary"
                 )
             eos.append(tid)
         for tid in generation_eos or []:
@@ -126,7 +127,9 @@ class Tokenizer:
     ) -> str:
         template = chat_template or self.chat_template
         if template is None:
-            raise ChatTemplateError("this tokenizer has no chat_template (tokenizer_config.json / chat_template.jinja)")
+            raise ChatTemplateError(
+                "this tokenizer has no chat_template (tokenizer_config.json / chat_template.jinja)"
+            )
         if tools is not None:
             for tool in tools:
                 if not isinstance(tool, dict):

@@ -16,7 +16,8 @@ from typing import Literal, Protocol
 from deltaserve.sampling import SamplingParams
 
 _REPLACEMENT = "\ufffd"
-# Prompt tokens decoded as context before the first output token (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
+# Prompt tokens decoded as context before the first output token
+# (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
 _PROMPT_CONTEXT = 5
 
 

@@ -125,7 +125,9 @@ def kv_bytes_per_block(
     return block_size * kv_bytes_per_token_per_layer(cfg, dtype, tp) * num_kv_cache_layers(cfg, with_mtp)
 
 
-def gdn_recurrent_bytes_per_layer(cfg: ModelConfig, ssm_dtype: str | torch.dtype | None = None, tp: int = 1) -> int:
+def gdn_recurrent_bytes_per_layer(
+    cfg: ModelConfig, ssm_dtype: str | torch.dtype | None = None, tp: int = 1
+) -> int:
     """Recurrent state S [Hv, dk, dv] of one sequence in one GDN layer (fp32 by mamba_ssm_dtype)."""
     ssm = ssm_dtype if ssm_dtype is not None else cfg.mamba_ssm_dtype
     hv = rank_shape(cfg, tp).gdn_value_heads
@@ -206,7 +208,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _gdn_tensors(cfg: ModelConfig, r: RankShape) -> list[_Tensor]:
-    H, dk, dv, K = cfg.hidden_size, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    H, K = cfg.hidden_size, cfg.linear_conv_kernel_dim
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     hv = cfg.linear_num_value_heads
     conv, conv_r = cfg.conv_dim, 2 * r.gdn_key_heads * dk + r.gdn_value_heads * dv
     return [
@@ -293,12 +296,16 @@ def weight_parts(
     scale per block; everything else stays in the config's dtype."""
     if cfg.is_moe:
         raise UnsupportedFeatureError(
-            f"the planner counts dense MLPs only; model_type {cfg.model_type!r} is MoE ({cfg.num_experts} experts)"
+            f"the planner counts dense MLPs only; model_type {cfg.model_type!r} is MoE "
+            f"({cfg.num_experts} experts)"
         )
     r = rank_shape(cfg, tp)
     quant = cfg.quantization_config or {}
     quant_fp8 = quant.get("quant_method") == "fp8"
-    wdtype = normalize_dtype(weight_dtype) if weight_dtype else ("fp8" if quant_fp8 else normalize_dtype(cfg.torch_dtype))
+    if weight_dtype:
+        wdtype = normalize_dtype(weight_dtype)
+    else:
+        wdtype = "fp8" if quant_fp8 else normalize_dtype(cfg.torch_dtype)
     hp_dtype = normalize_dtype(cfg.torch_dtype)
     if DTYPE_BYTES[hp_dtype] == 1:
         hp_dtype = "bfloat16"
@@ -314,7 +321,8 @@ def weight_parts(
             full_name = f"{module}.{t.name}" if module else t.name
             if fp8 and t.linear and not any(k in full_name for k in not_converted):
                 rows, cols = t.rank
-                total += rows * cols + math.ceil(rows / block[0]) * math.ceil(cols / block[1]) * FP8_SCALE_BYTES
+                scales = math.ceil(rows / block[0]) * math.ceil(cols / block[1])
+                total += rows * cols + scales * FP8_SCALE_BYTES
             else:
                 total += _numel(t.rank) * DTYPE_BYTES[wdtype if not fp8 else hp_dtype]
         return total
@@ -334,9 +342,11 @@ def weight_parts(
     att_i = cfg.attention_layer_ids[0] if cfg.attention_layer_ids else 0
     parts = [
         part("embedding", lm, 1, emb),
-        part("lm_head", "", 0 if cfg.tie_word_embeddings else 1, [_Tensor("lm_head", (V, H), (r.vocab, H), True)]),
+        part("lm_head", "", 0 if cfg.tie_word_embeddings else 1,
+             [_Tensor("lm_head", (V, H), (r.vocab, H), True)]),
         part("GDN mixer", f"{lm}.layers.{gdn_i}", len(cfg.gdn_layer_ids), _gdn_tensors(cfg, r)),
-        part("attention mixer", f"{lm}.layers.{att_i}", len(cfg.attention_layer_ids), _attention_tensors(cfg, r)),
+        part("attention mixer", f"{lm}.layers.{att_i}", len(cfg.attention_layer_ids),
+             _attention_tensors(cfg, r)),
         part("MLP", f"{lm}.layers.{gdn_i}", cfg.num_hidden_layers, _mlp_tensors(cfg, r)),
         part("layer norms", f"{lm}.layers.{gdn_i}", cfg.num_hidden_layers, _layer_norm_tensors(cfg)),
         part("final norm", lm, 1, [_Tensor("norm", (H,), (H,))]),
@@ -355,7 +365,8 @@ def weight_parts(
             mtp += [_Tensor("embed_tokens", (V, H), (r.vocab, H))]
         parts.append(part("MTP", "mtp", 1, mtp, included=with_mtp))
     if cfg.vision is not None:
-        parts.append(part("vision tower", "model.visual", 1, _vision_tensors(cfg, tp), included=include_vision))
+        vision = _vision_tensors(cfg, tp)
+        parts.append(part("vision tower", "model.visual", 1, vision, included=include_vision))
     return parts
 
 
@@ -419,7 +430,8 @@ def plan_memory(
     """Worst-case memory per TP rank for max_num_seqs sequences of max_model_len tokens each: every sequence
     holds ceil(max_model_len / block_size) KV blocks and one GDN state slot. `dtype` is the activation /
     model dtype (default the config's); it sets 'auto' KV and the conv state."""
-    for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs), ("block_size", block_size)):
+    sizes = (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs), ("block_size", block_size))
+    for name, value in sizes:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     model_dtype = normalize_dtype(dtype if dtype is not None else cfg.torch_dtype)
@@ -494,10 +506,12 @@ def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
     add(f"layers {plan.num_layers}: {plan.num_gdn_layers} GDN + {plan.num_attention_layers} attention"
         f"{' (+ MTP layer with its own KV cache)' if plan.with_mtp else ''}")
     add(f"tensor parallel {plan.tp}: per rank attention heads {r.attention_heads}, KV heads {r.kv_heads}, "
-        f"GDN heads {r.gdn_key_heads}k/{r.gdn_value_heads}v, MLP width {r.intermediate}, vocab rows {r.vocab}")
+        f"GDN heads {r.gdn_key_heads}k/{r.gdn_value_heads}v, MLP width {r.intermediate}, "
+        f"vocab rows {r.vocab}")
     add(f"dtypes: model {plan.model_dtype}, weights {plan.weight_dtype}, KV cache {plan.kv_cache_dtype}, "
         f"GDN recurrent state {plan.ssm_state_dtype}, conv state {plan.model_dtype}")
-    add(f"workload: {plan.max_num_seqs} sequences x {plan.max_model_len:,} tokens, block size {plan.block_size}")
+    add(f"workload: {plan.max_num_seqs} sequences x {plan.max_model_len:,} tokens, "
+        f"block size {plan.block_size}")
     add("")
     add("Weights (per rank)")
     w = max(len(p.name) for p in plan.weight_parts) if plan.weight_parts else 10
@@ -527,8 +541,9 @@ def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
     row(f"per sequence, {plan.num_gdn_layers} layers", plan.gdn_state_bytes_per_seq)
     row("all sequences", plan.gdn_state_bytes, f"({plan.max_num_seqs} slots)")
     add("")
-    add(f"Total per rank            {format_bytes(plan.total_bytes):>12}   (weights {format_bytes(plan.weight_bytes)}, "
-        f"cache {format_bytes(plan.cache_bytes)}; activations not included)")
+    add(f"Total per rank            {format_bytes(plan.total_bytes):>12}   "
+        f"(weights {format_bytes(plan.weight_bytes)}, cache {format_bytes(plan.cache_bytes)}; "
+        "activations not included)")
     if gpu_memory_bytes is not None:
         free = gpu_memory_bytes - plan.weight_bytes - plan.gdn_state_bytes
         blocks = max(0, free) // plan.kv_bytes_per_block if plan.kv_bytes_per_block else 0

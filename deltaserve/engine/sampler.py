@@ -37,7 +37,8 @@ def make_sampling_state(
     params: SamplingParams, prompt_token_ids: Sequence[int], seed_offset: int = 0
 ) -> SequenceSamplingState:
     """A seeded request gets its own CPU generator seeded with seed + seed_offset (the engine passes the
-    child index for n > 1, so siblings differ but every run repeats); unseeded requests share the global RNG."""
+    child index for n > 1, so siblings differ but every run repeats); unseeded requests share the global
+    RNG."""
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device="cpu")
@@ -76,7 +77,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(states):
-            raise ValueError(f"logits must be [N, V] with N = {len(states)} states, got {tuple(logits.shape)}")
+            raise ValueError(
+                f"logits must be [N, V] with N = {len(states)} states, got {tuple(logits.shape)}"
+            )
         logits = logits.float()
         want_logprobs = [s.params.logprobs is not None for s in states]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
@@ -105,7 +108,7 @@ class Sampler:
             n = min(s.params.logprobs or 0, row.shape[0])
             if n:
                 vals, ids = row.topk(n)
-                for t, v in zip(ids.tolist(), vals.tolist()):
+                for t, v in zip(ids.tolist(), vals.tolist(), strict=True):
                     entry.setdefault(t, v)
             out_logprobs.append(entry)
         return SamplerOutput(token_ids=token_list, logprobs=out_logprobs)
