@@ -1,0 +1,203 @@
+"""Memory planner: the Qwen3.5-27B numbers of REFERENCE.md, tensor-parallel per-rank shapes, and agreement
+with the bytes actually allocated (cache) and the parameters actually built (transformers)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve.cache.tensors import allocate_cache
+from deltaserve.cli_plan import main as plan_main
+from deltaserve.config import ConfigError, ModelConfig
+from deltaserve.engine import planner
+from deltaserve.engine.known_configs import QWEN3_5_27B_CONFIG, QWEN3_5_27B_FP8_CONFIG, known_config
+from deltaserve.engine.planner import (
+    format_plan,
+    gdn_state_bytes_per_seq,
+    kv_bytes_per_block,
+    kv_bytes_per_token_per_layer,
+    num_blocks_for,
+    plan_memory,
+    weight_parts,
+)
+from tests.checkpoints import RATIOS_27B, TINY, hf_config, random_mtp_tensors
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+@pytest.fixture(scope="module")
+def cfg27() -> ModelConfig:
+    return ModelConfig.from_dict(QWEN3_5_27B_CONFIG)
+
+
+def small_config(shape: dict, mtp: bool = True) -> ModelConfig:
+    d = hf_config(shape).to_dict()
+    d["model_type"] = "qwen3_5_text"
+    d["mtp_num_hidden_layers"] = 1 if mtp else 0
+    return ModelConfig.from_dict(d)
+
+
+# ---- 27B -----------------------------------------------------------------------------------------------
+def test_27b_layer_counts(cfg27: ModelConfig) -> None:
+    plan = plan_memory(cfg27, 4096, 1)
+    assert (plan.num_attention_layers, plan.num_gdn_layers, plan.num_kv_cache_layers) == (16, 48, 16)
+    assert cfg27.attention_layer_ids[:2] == [3, 7]
+
+
+def test_27b_kv_per_token(cfg27: ModelConfig) -> None:
+    assert kv_bytes_per_token_per_layer(cfg27, "bfloat16") == 4 * KiB
+    assert kv_bytes_per_token_per_layer(cfg27, "fp8") == 2 * KiB
+    assert plan_memory(cfg27, 4096, 1, "auto").kv_bytes_per_token == 16 * 4 * KiB
+    assert plan_memory(cfg27, 4096, 1, "fp8").kv_bytes_per_token == 16 * 2 * KiB
+    # speculating adds the MTP layer's own KV cache
+    assert plan_memory(cfg27, 4096, 1, with_mtp=True).kv_bytes_per_token == 17 * 4 * KiB
+    assert kv_bytes_per_block(cfg27, 16, torch.bfloat16) == 16 * 16 * 4 * KiB
+
+
+def test_27b_gdn_state(cfg27: ModelConfig) -> None:
+    plan = plan_memory(cfg27, 4096, 8)
+    assert plan.gdn_recurrent_bytes_per_layer == 3 * MiB
+    conv = (2 * 16 * 128 + 48 * 128) * 3 * 2  # conv_dim (K-1) bf16
+    assert plan.gdn_conv_bytes_per_layer == conv
+    assert plan.gdn_state_bytes_per_seq == 48 * (3 * MiB + conv)
+    assert gdn_state_bytes_per_seq(cfg27, "bfloat16") == plan.gdn_state_bytes_per_seq
+    assert plan.gdn_state_bytes == 8 * plan.gdn_state_bytes_per_seq
+    # the state does not grow with the sequence
+    assert plan_memory(cfg27, 262144, 8).gdn_state_bytes == plan.gdn_state_bytes
+
+
+def test_27b_parameter_counts(cfg27: ModelConfig) -> None:
+    plan = plan_memory(cfg27, 4096, 1)
+    assert plan.text_params == pytest.approx(26.9e9, rel=0.01)
+    assert plan.vision_params == pytest.approx(0.46e9, rel=0.01)
+    assert plan.mtp_params == pytest.approx(0.42e9, rel=0.015)
+    assert cfg27.vision is not None and plan.vision_params == cfg27.vision.num_parameters()
+    # bf16: two bytes per parameter, MTP left out unless speculating
+    assert plan.weight_bytes == 2 * (plan.text_params + plan.vision_params)
+    spec = plan_memory(cfg27, 4096, 1, with_mtp=True, include_vision=False)
+    assert spec.weight_bytes == 2 * (plan.text_params + plan.mtp_params)
+
+
+def test_27b_tp4_per_rank(cfg27: ModelConfig) -> None:
+    one, four = plan_memory(cfg27, 32768, 4), plan_memory(cfg27, 32768, 4, tp=4)
+    r = four.rank
+    assert (r.attention_heads, r.kv_heads, r.gdn_key_heads, r.gdn_value_heads) == (6, 1, 4, 12)
+    assert (r.intermediate, r.vocab) == (17408 // 4, 248320 // 4)
+    assert four.kv_bytes_per_token_per_layer == 1 * KiB
+    assert four.gdn_recurrent_bytes_per_layer == 3 * MiB // 4
+    assert four.gdn_conv_bytes_per_layer == one.gdn_conv_bytes_per_layer // 4
+    assert four.kv_cache_bytes == one.kv_cache_bytes // 4
+    # weights: almost everything splits; only norms (and small vision pieces) are replicated
+    assert one.weight_bytes / 4 < four.weight_bytes < one.weight_bytes / 4 * 1.01
+
+
+def test_tp_beyond_kv_heads_replicates(cfg27: ModelConfig) -> None:
+    eight = plan_memory(cfg27, 4096, 1, tp=8)
+    assert eight.rank.kv_heads == 1 and eight.kv_bytes_per_token_per_layer == 1 * KiB
+    with pytest.raises(ConfigError, match="tensor parallel size 3"):
+        plan_memory(cfg27, 4096, 1, tp=3)
+
+
+def test_27b_fp8_weights() -> None:
+    cfg = ModelConfig.from_dict(QWEN3_5_27B_FP8_CONFIG)
+    parts = {p.name: p for p in weight_parts(cfg)}
+    H, I = 5120, 17408
+    scales = (2 * math.ceil(I / 128) * math.ceil(H / 128) + math.ceil(H / 128) * math.ceil(I / 128)) * 4
+    assert parts["MLP"].bytes_per_rank == 3 * I * H + scales
+    assert parts["embedding"].bytes_per_rank == 248320 * H * 2  # kept in bf16
+    assert parts["lm_head"].bytes_per_rank == 248320 * H * 2
+    plan = plan_memory(cfg, 4096, 1)
+    assert plan.weight_dtype == "fp8"
+    assert 27e9 < plan.weight_bytes < 33e9  # the released FP8 checkpoint is about 29-30 GB
+    # dequantized on load: back to two bytes per parameter
+    assert plan_memory(cfg, 4096, 1, weight_dtype="bfloat16").weight_bytes == plan_memory(
+        ModelConfig.from_dict(QWEN3_5_27B_CONFIG), 4096, 1).weight_bytes
+
+
+def test_plan_totals_and_format(cfg27: ModelConfig) -> None:
+    plan = plan_memory(cfg27, 8192, 16, "fp8", tp=4, with_mtp=True, model_name="qwen3.5-27b")
+    assert plan.total_bytes == plan.weight_bytes + plan.kv_cache_bytes + plan.gdn_state_bytes
+    assert plan.num_kv_blocks == 16 * 8192 // 16
+    text = format_plan(plan, gpu_memory_bytes=80 * GiB)
+    for needle in ("qwen3.5-27b", "GiB", "MiB", "per token per layer", "768.00 KiB", "KV blocks fit"):
+        assert needle in text
+
+
+def test_bad_arguments(cfg27: ModelConfig) -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        plan_memory(cfg27, 4096, 1, kv_cache_dtype="int3")
+    with pytest.raises(ValueError, match="max_model_len"):
+        plan_memory(cfg27, 0, 1)
+
+
+# ---- small configs against real allocations and real models ---------------------------------------------
+@pytest.mark.parametrize("shape", [TINY, RATIOS_27B])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_mtp", [False, True])
+def test_matches_allocated_cache(shape: dict, dtype: torch.dtype, with_mtp: bool) -> None:
+    cfg = small_config(shape)
+    num_blocks, block_size, slots = 7, 16, 3
+    cache = allocate_cache(cfg, num_blocks, block_size, slots, dtype=dtype, with_mtp=with_mtp)
+
+    def nbytes(ts) -> int:
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    kv = nbytes(t for pair in cache.kv.values() for t in pair)
+    state = nbytes(cache.conv.values()) + nbytes(cache.ssm.values())
+    assert kv == num_blocks * kv_bytes_per_block(cfg, block_size, dtype, with_mtp=with_mtp)
+    assert state == slots * gdn_state_bytes_per_seq(cfg, dtype)
+    assert num_blocks_for(kv + 5, cfg, block_size, dtype, with_mtp=with_mtp) == num_blocks
+    plan = plan_memory(cfg, 7 * block_size, 1, tp=1, block_size=block_size, with_mtp=with_mtp, dtype=dtype)
+    assert plan.kv_cache_bytes == kv and plan.gdn_state_bytes * slots == state
+
+
+@pytest.mark.parametrize("shape", [TINY, RATIOS_27B])
+def test_parameter_count_matches_transformers(shape: dict) -> None:
+    from transformers import Qwen3_5ForCausalLM
+
+    cfg = small_config(shape)
+    model = Qwen3_5ForCausalLM(hf_config(shape))
+    plan = plan_memory(cfg, 64, 1, dtype="float32", with_mtp=True)
+    assert plan.text_params == sum(p.numel() for p in model.parameters())
+    assert plan.mtp_params == sum(t.numel() for t in random_mtp_tensors(shape).values())
+
+
+def test_vision_count_matches_transformers() -> None:
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionConfig, Qwen3_5VisionModel
+
+    vc = dict(depth=2, hidden_size=32, num_heads=4, intermediate_size=48, patch_size=4, temporal_patch_size=2,
+              spatial_merge_size=2, out_hidden_size=48, num_position_embeddings=64)
+    d = {"model_type": "qwen3_5", "text_config": hf_config(TINY).to_dict(), "vision_config": vc}
+    d["text_config"]["model_type"] = "qwen3_5_text"
+    cfg = ModelConfig.from_dict(d)
+    plan = plan_memory(cfg, 64, 1, dtype="float32")
+    vision = Qwen3_5VisionModel(Qwen3_5VisionConfig(**vc))
+    assert plan.vision_params == sum(p.numel() for p in vision.parameters())
+
+
+# ---- CLI -----------------------------------------------------------------------------------------------
+def test_cli_plan_known_config(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = plan_main(["plan", "--model", "qwen3.5-27b", "--max-model-len", "32768", "--max-num-seqs", "8",
+                    "--kv-cache-dtype", "fp8", "--tp", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "tensor parallel 4" in out and "512 B" in out
+
+
+def test_cli_plan_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(known_config("qwen3.5-27b")))
+    assert plan_main(["plan", "--model", str(path), "--max-model-len", "1024", "--max-num-seqs", "1"]) == 0
+    assert plan_main(["plan", "--model", str(tmp_path), "--max-model-len", "1024"]) == 0
+    assert plan_main(["plan", "--model", str(tmp_path / "nope")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_module_exports() -> None:
+    from deltaserve import cli_plan
+
+    assert cli_plan.KV_CACHE_DTYPES == planner.KV_CACHE_DTYPES
+    assert planner.dtype_bytes(torch.float8_e4m3fn) == 1 and planner.dtype_bytes("bf16") == 2
