@@ -122,5 +122,5 @@ def test_demo_tokenizer_matches_transformers(kwargs: dict) -> None:
     assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
     if tok.chat_template is None:
         pytest.skip("demo tokenizer has no chat template")
-    messages = [{"role": "user", "content": "你好! What is 2+2?"}]
-    assert tok.apply_chat_template(messages, **kwargs) == _hf_render(DEMO_DIR, messages, **kwargs)
+    for messages in (MESSAGES[1:2], MESSAGES):  # one turn; multi-turn with reasoning and a system prompt
+        assert tok.apply_chat_template(messages, **kwargs) == _hf_render(DEMO_DIR, messages, **kwargs)
