@@ -63,7 +63,7 @@ def plan_cache(cfg: ModelConfig, econf: EngineConfig, kv_dtype: torch.dtype) -> 
     bs = econf.block_size
     slots = econf.max_num_seqs
     block_bytes = kv_bytes_per_block(cfg, bs, kv_dtype, False)
-    slot_bytes = gdn_state_bytes_per_seq(cfg, kv_dtype)
+    slot_bytes = gdn_state_bytes_per_seq(cfg, kv_dtype, ssm_dtype=torch.float32)  # allocate_cache keeps it fp32
     memory = econf.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
     if econf.num_kv_blocks is not None:
         available = econf.num_kv_blocks

@@ -1,0 +1,118 @@
+"""`deltaserve` command line: one small `add_*_parser(sub)` per subcommand, so each author adds theirs
+without touching the others."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from deltaserve.cli_plan import add_plan_parser
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, spelled as in vLLM; shared by every subcommand that builds an engine."""
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
+    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for KV blocks + GDN state slots")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--speculative-config", type=json.loads, default=None, help="JSON, e.g. "
+                   '\'{"method": "mtp", "num_speculative_tokens": 2}\'')
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """LLM(...) / EngineConfig(...) keyword arguments from the flags add_engine_args defined."""
+    return dict(
+        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+        enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace) -> Any:
+    from deltaserve.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sampling_seed,
+        stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+
+
+# ---- generate ---------------------------------------------------------------------------------------
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="complete one or more prompts and print the text")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from deltaserve.engine.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    for out in outputs:
+        print(out.outputs[0].text)
+    return 0
+
+
+# ---- other subcommands: each author adds an add_<name>_parser(sub) here and to SUBCOMMANDS ----------
+# serve:   add_serve_parser   (HTTP server; reuse add_engine_args / engine_kwargs)
+# chat:    add_chat_parser    (interactive chat loop)
+# bench:   add_bench_parser   (benchmarks)
+# plan:    add_plan_parser    (memory planner, deltaserve/cli_plan.py)
+# inspect: add_inspect_parser (web inspector)
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_generate_parser, add_plan_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deltaserve", description="Qwen3.5 / Qwen3.8 inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, NotImplementedError, FileNotFoundError) as e:
+        # Errors a user caused (bad flag value, prompt too long, missing checkpoint): one line, no trace.
+        print(f"deltaserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
