@@ -23,8 +23,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for KV blocks + GDN state slots")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--enable-prefix-caching", action="store_true")
-    p.add_argument("--speculative-config", type=json.loads, default=None, help="JSON, e.g. "
-                   '\'{"method": "mtp", "num_speculative_tokens": 2}\'')
+    p.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'',
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
 
@@ -32,11 +36,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """LLM(...) / EngineConfig(...) keyword arguments from the flags add_engine_args defined."""
     return dict(
-        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
-        enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
-        tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
+        enable_prefix_caching=args.enable_prefix_caching,
+        speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        seed=args.seed,
     )
 
 
@@ -56,9 +67,15 @@ def sampling_params(args: argparse.Namespace) -> Any:
     from deltaserve.sampling import SamplingParams
 
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sampling_seed,
-        stop=args.stop, ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
     )
 
 

@@ -40,7 +40,9 @@ def text_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from deltaserve.tokenizer import Tokenizer
 
     vocab = Tokenizer.from_dir(DEMO_DIR).vocab_size
-    d = save_official_layout(random_hf_model(dict(TINY, vocab_size=vocab), seed=4), tmp_path_factory.mktemp("t"))
+    d = save_official_layout(
+        random_hf_model(dict(TINY, vocab_size=vocab), seed=4), tmp_path_factory.mktemp("t")
+    )
     for f in DEMO_DIR.iterdir():
         if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
             shutil.copy(f, d / f.name)
@@ -60,8 +62,11 @@ def test_prompt_longer_than_max_model_len_names_both_lengths(path: Path) -> None
 
 def test_generation_stops_at_max_model_len(path: Path) -> None:
     llm = LLM(model=str(path), max_model_len=32)
-    out = llm.generate({"prompt_token_ids": list(range(2, 30))},
-                       SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": list(range(2, 30))},
+        SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
 
 
@@ -71,8 +76,11 @@ def test_stop_token_ids_and_eos(path: Path) -> None:
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     ids = free[0].outputs[0].token_ids
     stop_at = ids[5]
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                              stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_at]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == ids[: ids.index(stop_at) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
 
@@ -81,8 +89,11 @@ def test_stop_token_ids_and_eos(path: Path) -> None:
     "kwargs, error, match",
     [
         (dict(enable_prefix_caching=True), UnsupportedFeatureError, "enable_prefix_caching"),
-        (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}), UnsupportedFeatureError,
-         "speculative_config"),
+        (
+            dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
+            UnsupportedFeatureError,
+            "speculative_config",
+        ),
         (dict(tensor_parallel_size=2), UnsupportedFeatureError, "tensor_parallel_size=2"),
         (dict(kv_cache_dtype="fp8"), EngineConfigError, "kv_cache_dtype 'fp8'"),
         (dict(max_num_seqs=0), EngineConfigError, "max_num_seqs"),
@@ -110,17 +121,24 @@ def test_text_prompts_chat_and_stop_strings(text_path: Path) -> None:
     text = out[0].outputs[0].text
     if len(text) > 3:  # stop on a string taken from the middle of the free-running output
         stop = text[2:4]
-        cut = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                                          stop=[stop]), use_tqdm=False)[0].outputs[0]
+        cut = llm.generate(
+            "Hello there",
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]),
+            use_tqdm=False,
+        )[0].outputs[0]
         assert cut.finish_reason == "stop" and cut.stop_reason == stop and stop not in cut.text
         assert text.startswith(cut.text)
     chat = llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False)
     assert len(chat) == 1 and len(chat[0].outputs[0].token_ids) == 12
-    assert chat[0].prompt == tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert chat[0].prompt == tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True
+    )
 
 
 def test_cli_generate_prints_text(text_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = cli_main(["generate", "--model", str(text_path), "--prompt", "Hello", "--max-tokens", "6", "--ignore-eos"])
+    rc = cli_main(
+        ["generate", "--model", str(text_path), "--prompt", "Hello", "--max-tokens", "6", "--ignore-eos"]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     llm = LLM(model=str(text_path))

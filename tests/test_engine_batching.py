@@ -51,11 +51,11 @@ def test_mixed_batch_matches_alone_and_transformers(checkpoint: tuple[object, Pa
     assert max(len(p) for p in prompts) > 24  # so some prompt really was chunked
 
     alone_llm = LLM(model=str(path), max_model_len=256)
-    for prompt, out in zip(prompts, batched):
+    for prompt, out in zip(prompts, batched, strict=True):
         alone = alone_llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS)
-        ref_ids = ref[0, len(prompt):].tolist()
+        ref_ids = ref[0, len(prompt) :].tolist()
         got = out.outputs[0].token_ids
         assert got == alone.outputs[0].token_ids, f"prompt of {len(prompt)} tokens: batch differs from alone"
         assert got == ref_ids, f"prompt of {len(prompt)} tokens: {got} != transformers {ref_ids}"
@@ -90,5 +90,7 @@ def test_n_fans_out_with_distinct_seeded_children(checkpoint: tuple[object, Path
     assert [tuple(o.token_ids) for o in again.outputs] == seqs
     for o in out.outputs:
         assert o.logprobs is not None and len(o.logprobs) == 10
-        assert all(tok in lp for tok, lp in zip(o.token_ids, o.logprobs))
-        assert o.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(o.token_ids, o.logprobs)))
+        assert all(tok in lp for tok, lp in zip(o.token_ids, o.logprobs, strict=True))
+        assert o.cumulative_logprob == pytest.approx(
+            sum(lp[t] for t, lp in zip(o.token_ids, o.logprobs, strict=True))
+        )

@@ -31,7 +31,10 @@ def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _prompts(n: int, seed: int = 0) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 50, (n,), generator=g).tolist()
-    return [{"prompt_token_ids": torch.randint(2, TINY["vocab_size"], (k,), generator=g).tolist()} for k in lengths]
+    return [
+        {"prompt_token_ids": torch.randint(2, TINY["vocab_size"], (k,), generator=g).tolist()}
+        for k in lengths
+    ]
 
 
 def _all_free(engine: LLMEngine) -> None:
@@ -53,7 +56,7 @@ def test_preemption_completes_every_request_with_same_outputs(path: Path) -> Non
     got = tight.generate(prompts, params, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0
     assert sum(o.metrics.num_preemptions for o in got) == tight.engine.scheduler.num_preemptions
-    for w, g in zip(want, got):
+    for w, g in zip(want, got, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert len(g.outputs[0].token_ids) == 24 and g.outputs[0].finish_reason == "length"
     _all_free(tight.engine)

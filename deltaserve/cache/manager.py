@@ -58,4 +58,6 @@ class CacheManager:
             self.slots.free([slot])
 
     def usage(self) -> CacheUsage:
-        return CacheUsage(self.blocks.num_used, self.blocks.num_total, self.slots.num_used, self.slots.num_total)
+        return CacheUsage(
+            self.blocks.num_used, self.blocks.num_total, self.slots.num_used, self.slots.num_total
+        )

@@ -40,14 +40,22 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise EngineConfigError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "kv_cache_memory", "num_kv_blocks", "tensor_parallel_size"):
+        for name in (
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "kv_cache_memory",
+            "num_kv_blocks",
+            "tensor_parallel_size",
+        ):
             positive(name)
         if self.dtype not in DTYPES:
             raise EngineConfigError(f"dtype {self.dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise EngineConfigError(
-                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; accepted: {', '.join(KV_CACHE_DTYPES)}"
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; "
+                f"accepted: {', '.join(KV_CACHE_DTYPES)}"
             )
         if self.enable_prefix_caching:
             raise UnsupportedFeatureError(

@@ -18,18 +18,35 @@ Message = dict[str, Any]
 
 class LLM:
     def __init__(
-        self, model: str | None = None, dtype: str = "auto", max_model_len: int | None = None,
-        max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = False,
-        speculative_config: dict[str, Any] | None = None, tensor_parallel_size: int = 1,
-        kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None, seed: int = 0,
-        block_size: int = 16, num_kv_blocks: int | None = None,
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = False,
+        speculative_config: dict[str, Any] | None = None,
+        tensor_parallel_size: int = 1,
+        kv_cache_dtype: str = "auto",
+        kv_cache_memory: int | None = None,
+        seed: int = 0,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
     ) -> None:
         self.config = EngineConfig(
-            model=None if model is None else str(model), dtype=dtype, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, speculative_config=speculative_config,
-            tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
-            kv_cache_memory=kv_cache_memory, seed=seed, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            model=None if model is None else str(model),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            speculative_config=speculative_config,
+            tensor_parallel_size=tensor_parallel_size,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_memory=kv_cache_memory,
+            seed=seed,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
         )
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
@@ -38,8 +55,10 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(
-        self, prompts: PromptType | Sequence[PromptType],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """prompts: a string, a list of strings, {"prompt_token_ids": [...]} or a list of those."""
         if isinstance(prompts, str | dict) or (
@@ -55,11 +74,12 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(
-                    f"got {len(params)} sampling_params for {len(prompts)} prompts; pass one or one per prompt"
+                    f"got {len(params)} sampling_params for {len(prompts)} prompts; "
+                    "pass one, or one per prompt"
                 )
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p in zip(prompts, params, strict=True):
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, prompt, p)
                 ids.append(rid)
@@ -70,9 +90,12 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(
-        self, messages: list[Message] | list[list[Message]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-        chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} messages) or a list of conversations."""
         tok = self.engine.tokenizer
@@ -80,7 +103,9 @@ class LLM:
             raise ValueError("this model directory has no tokenizer.json, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
-            tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+            tok.apply_chat_template(
+                c, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+            )
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -29,8 +29,12 @@ from deltaserve.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
 }
 
 
@@ -63,7 +67,9 @@ def plan_cache(cfg: ModelConfig, econf: EngineConfig, kv_dtype: torch.dtype) -> 
     bs = econf.block_size
     slots = econf.max_num_seqs
     block_bytes = kv_bytes_per_block(cfg, bs, kv_dtype, False)
-    slot_bytes = gdn_state_bytes_per_seq(cfg, kv_dtype, ssm_dtype=torch.float32)  # allocate_cache keeps it fp32
+    slot_bytes = gdn_state_bytes_per_seq(
+        cfg, kv_dtype, ssm_dtype=torch.float32
+    )  # allocate_cache keeps it fp32
     memory = econf.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
     if econf.num_kv_blocks is not None:
         available = econf.num_kv_blocks
@@ -79,8 +85,11 @@ def plan_cache(cfg: ModelConfig, econf: EngineConfig, kv_dtype: torch.dtype) -> 
         # The model's own limit, shortened (with a warning) to what one sequence can hold in this cache.
         max_len = min(cfg.max_position_embeddings, available * bs)
         if max_len < cfg.max_position_embeddings:
-            log.warning("max_model_len set to %d (the cache holds no more); the model allows %d",
-                        max_len, cfg.max_position_embeddings)
+            log.warning(
+                "max_model_len set to %d (the cache holds no more); the model allows %d",
+                max_len,
+                cfg.max_position_embeddings,
+            )
     elif max_len > cfg.max_position_embeddings:
         raise EngineConfigError(
             f"max_model_len={max_len} exceeds the model's max_position_embeddings "
@@ -97,8 +106,9 @@ def plan_cache(cfg: ModelConfig, econf: EngineConfig, kv_dtype: torch.dtype) -> 
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: Qwen3_5ForCausalLM | None = None,
-                 tokenizer: Any | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, model: Qwen3_5ForCausalLM | None = None, tokenizer: Any | None = None
+    ) -> None:
         self.config = config
         torch.manual_seed(config.seed)  # unseeded random sampling draws from the global generator
         dtype = torch.float32 if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
@@ -138,7 +148,9 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: str | list[int] | dict[str, Any],
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict[str, Any],
         params: SamplingParams | None = None,
     ) -> None:
         """Queue a request. prompt: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": text}."""
@@ -155,12 +167,17 @@ class LLMEngine:
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             req = Request(
-                request_id=child_id, prompt_token_ids=ids, params=params,
+                request_id=child_id,
+                prompt_token_ids=ids,
+                params=params,
                 sampling=make_sampling_state(params, ids, seed_offset=i),
-                detokenizer=detok, group=group, index=i,
+                detokenizer=detok,
+                group=group,
+                index=i,
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
+            req.sampling.output_token_ids = req.output_token_ids  # one list: penalties read what we append
             req.metrics.arrival_time = group.arrival_time
             group.children.append(req)
             self.requests[child_id] = req
@@ -174,10 +191,14 @@ class LLMEngine:
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+                raise ValueError(
+                    f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
+                )
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer.json; pass prompt_token_ids instead of text")
+                raise ValueError(
+                    "this model directory has no tokenizer.json; pass prompt_token_ids instead of text"
+                )
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list | tuple):
             return None, [int(t) for t in prompt]
@@ -235,7 +256,9 @@ class LLMEngine:
         touched: dict[str, RequestGroup] = {}
         if result.sampled is not None:
             now = time.monotonic()
-            for rid, token, lp in zip(result.request_ids, result.sampled.token_ids, result.sampled.logprobs):
+            for rid, token, lp in zip(
+                result.request_ids, result.sampled.token_ids, result.sampled.logprobs, strict=True
+            ):
                 req = self.requests[rid]
                 self._append_token(req, token, lp, now)
                 touched[req.group.request_id] = req.group
@@ -252,7 +275,6 @@ class LLMEngine:
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> None:
         self.generation_tokens += 1
         req.output_token_ids.append(token)
-        req.sampling.output_token_ids.append(token)
         m = req.metrics
         if m.first_token_time is None:
             m.first_token_time = now
@@ -284,9 +306,12 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            num_steps=self.num_steps, num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting), num_preemptions=self.scheduler.num_preemptions,
-            cache=self.cache.usage(), prompt_tokens=self.prompt_tokens,
+            num_steps=self.num_steps,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            cache=self.cache.usage(),
+            prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
         )
 

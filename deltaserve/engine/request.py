@@ -28,8 +28,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
 
 
 FINISH_REASONS = {
@@ -90,10 +93,13 @@ class Request:
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
-            index=self.index, text=self.text, token_ids=list(self.output_token_ids),
+            index=self.index,
+            text=self.text,
+            token_ids=list(self.output_token_ids),
             cumulative_logprob=self.cumulative_logprob,
             logprobs=None if self.logprobs is None else list(self.logprobs),
-            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
         )
 
 
@@ -113,20 +119,29 @@ class RequestGroup:
         return all(c.is_finished for c in self.children)
 
     def output(self) -> RequestOutput:
-        first = min((c.metrics.first_token_time for c in self.children if c.metrics.first_token_time),
-                    default=None)
+        first = min(
+            (c.metrics.first_token_time for c in self.children if c.metrics.first_token_time), default=None
+        )
         # The group's metrics: the first child's record, with the earliest first token of any child.
         m = self.children[0].metrics
         metrics = RequestMetrics(
-            arrival_time=self.arrival_time, first_scheduled_time=m.first_scheduled_time,
-            first_token_time=first, last_token_time=max(
-                (c.metrics.last_token_time for c in self.children if c.metrics.last_token_time), default=None),
+            arrival_time=self.arrival_time,
+            first_scheduled_time=m.first_scheduled_time,
+            first_token_time=first,
+            last_token_time=max(
+                (c.metrics.last_token_time for c in self.children if c.metrics.last_token_time), default=None
+            ),
             finished_time=max((c.metrics.finished_time or 0.0 for c in self.children), default=None)
-            if self.finished else None,
+            if self.finished
+            else None,
             num_preemptions=sum(c.metrics.num_preemptions for c in self.children),
             inter_token_latencies=list(m.inter_token_latencies),
         )
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-            outputs=[c.completion() for c in self.children], finished=self.finished, metrics=metrics,
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[c.completion() for c in self.children],
+            finished=self.finished,
+            metrics=metrics,
         )

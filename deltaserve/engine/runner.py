@@ -21,8 +21,9 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3_5ForCausalLM, cache: CacheTensors, manager: CacheManager,
-                 sampler: Sampler) -> None:
+    def __init__(
+        self, model: Qwen3_5ForCausalLM, cache: CacheTensors, manager: CacheManager, sampler: Sampler
+    ) -> None:
         self.model = model
         self.cache = cache
         self.manager = manager
@@ -55,8 +56,12 @@ class ModelRunner:
         for q in query_lens:
             qsl.append(qsl[-1] + q)
         ctx = ForwardContext(
-            positions=positions, query_start_loc=qsl, context_lens=context_lens, cache=self.cache,
-            block_tables=block_tables, state_slots=torch.tensor(slots, dtype=torch.long),
+            positions=positions,
+            query_start_loc=qsl,
+            context_lens=context_lens,
+            cache=self.cache,
+            block_tables=block_tables,
+            state_slots=torch.tensor(slots, dtype=torch.long),
             slot_mapping=slot_mapping,
         )
         return torch.tensor(ids, dtype=torch.long), ctx
