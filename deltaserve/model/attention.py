@@ -56,11 +56,11 @@ class GatedAttention(nn.Module):
             outs = []
             for b in range(ctx.num_seqs):
                 s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]
+                view = lambda t: t[s:e].transpose(0, 1)[None]  # noqa: E731  (4-D: the fused kernel)
                 outs.append(
                     F.scaled_dot_product_attention(
-                        q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
-                        is_causal=True, scale=self.scale, enable_gqa=True,
-                    ).transpose(0, 1)
+                        view(q), view(k), view(v), is_causal=True, scale=self.scale, enable_gqa=True
+                    )[0].transpose(0, 1)
                 )
             return torch.cat(outs)
 

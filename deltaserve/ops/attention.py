@@ -48,15 +48,16 @@ def prefill_attention(
 ) -> torch.Tensor:
     """One sequence: q [Tq, nh, hd] for positions seq_len-Tq .. seq_len-1, whose K/V are already written."""
     Tq = q.shape[0]
-    k = gather_kv(k_cache, block_table, seq_len).transpose(0, 1)  # [nkv, L, hd]
-    v = gather_kv(v_cache, block_table, seq_len).transpose(0, 1)
-    qh = q.transpose(0, 1)  # [nh, Tq, hd]
+    # A leading batch dim matters: 4-D inputs take torch's fused CPU kernel, 3-D ones the slow math path.
+    k = gather_kv(k_cache, block_table, seq_len).transpose(0, 1)[None]  # [1, nkv, L, hd]
+    v = gather_kv(v_cache, block_table, seq_len).transpose(0, 1)[None]
+    qh = q.transpose(0, 1)[None]  # [1, nh, Tq, hd]
     if Tq == seq_len:
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         allowed = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - Tq, seq_len)[:, None]
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def decode_attention(
