@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -15,9 +16,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        # torch's fused kernel: one op instead of five on the per-token hot path (same result in fp32).
+        scale = 1.0 + self.weight.float()
+        return F.rms_norm(x.float(), scale.shape, scale, self.eps).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
