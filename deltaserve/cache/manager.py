@@ -57,6 +57,10 @@ class CacheManager:
         if slot is not None:
             self.slots.free([slot])
 
+    def owners(self) -> tuple[dict[str, list[int]], dict[str, int]]:
+        """Copies of who holds which KV blocks and which GDN state slot (read-only; the inspector's view)."""
+        return {rid: list(t) for rid, t in self.block_tables.items()}, dict(self.state_slots)
+
     def usage(self) -> CacheUsage:
         return CacheUsage(
             self.blocks.num_used, self.blocks.num_total, self.slots.num_used, self.slots.num_total

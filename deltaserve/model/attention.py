@@ -39,6 +39,8 @@ class GatedAttention(nn.Module):
         q = rope(self.q_norm(q), cos, sin)
         k = rope(self.k_norm(self.k_proj(x).view(T, nkv, hd)), cos, sin)
         v = self.v_proj(x).view(T, nkv, hd)
+        if ctx.trace is not None:
+            ctx.trace.attention(self, q, k, v, gate)
         out = self._attend(q, k, v, ctx)  # [T, nh, hd]
         out = out.reshape(T, nh * hd) * torch.sigmoid(gate.reshape(T, nh * hd))
         return self.o_proj(out)

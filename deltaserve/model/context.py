@@ -4,8 +4,10 @@ already cached, and the cache tensors themselves. The model reads this; it never
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+from torch import nn
 
 
 @dataclass(slots=True)
@@ -20,6 +22,19 @@ class CacheTensors:
     @property
     def block_size(self) -> int:
         return next(iter(self.kv.values()))[0].shape[1] if self.kv else 1
+
+
+class ForwardTrace(Protocol):
+    """An observer of one forward (the inspector, deltaserve/inspect). The model calls it only where
+    ctx.trace is set, so a serving forward pays one `is None` check per layer and mixer, nothing more."""
+
+    def layer(self, layer_id: int, x: torch.Tensor, mix: torch.Tensor, ffn: torch.Tensor) -> None: ...
+
+    def gdn(self, mixer: nn.Module, qkv: torch.Tensor, z: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor) -> None: ...
+
+    def attention(self, mixer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  gate: torch.Tensor) -> None: ...
 
 
 @dataclass(slots=True)
@@ -38,6 +53,7 @@ class ForwardContext:
     block_tables: torch.Tensor | None = None  # [B, max_blocks] long, padded
     state_slots: torch.Tensor | None = None  # [B] long
     slot_mapping: torch.Tensor | None = None  # [T] long: flat KV row of each new token
+    trace: ForwardTrace | None = None  # set only by the inspector's own forwards, never by the engine
     # derived in __post_init__
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)

@@ -38,8 +38,12 @@ class DecoderLayer(nn.Module):
         return self.self_attn(h, ctx, rope, *cos_sin)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: RotaryEmbedding, cos_sin: tuple) -> torch.Tensor:
-        x = x + self.mix(x, ctx, rope, cos_sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        mix = self.mix(x, ctx, rope, cos_sin)
+        y = x + mix
+        ffn = self.mlp(self.post_attention_layernorm(y))
+        if ctx.trace is not None:
+            ctx.trace.layer(self.layer_id, x, mix, ffn)
+        return y + ffn
 
 
 class TextModel(nn.Module):

@@ -53,6 +53,8 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).float().sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         weight = self.conv1d.weight[:, 0, :]  # [conv_dim, K]
+        if ctx.trace is not None:
+            ctx.trace.gdn(self, qkv, z, g, beta)
 
         if ctx.cache is None:
             core = self._stateless(qkv, g, beta, weight, ctx)
