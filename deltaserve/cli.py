@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from deltaserve.cli_plan import add_plan_parser
+from deltaserve.cli_serve import add_serve_parser
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -110,7 +111,11 @@ def run_generate(args: argparse.Namespace) -> int:
 # plan:    add_plan_parser    (memory planner, deltaserve/cli_plan.py)
 # inspect: add_inspect_parser (web inspector)
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_generate_parser, add_plan_parser]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_generate_parser,
+    add_plan_parser,
+    add_serve_parser,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
