@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: run test test-all lint bench clean
+.PHONY: run test test-all lint bench bench-serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_engine.py
+
+bench-serve: $(STAMP)
+	$(BIN)/python benchmarks/bench_serve.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from deltaserve.cli_bench import add_bench_parser
 from deltaserve.cli_plan import add_plan_parser
 from deltaserve.cli_serve import add_serve_parser
 
@@ -115,6 +116,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_generate_parser,
     add_plan_parser,
     add_serve_parser,
+    add_bench_parser,
 ]
 
 

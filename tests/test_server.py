@@ -359,3 +359,14 @@ def test_demo_model_thinks_then_answers(tmp_path: Path) -> None:
         assert json.loads(off.model_dump_json())["choices"][0]["message"]["content"]
     finally:
         proc.stop()
+
+
+def test_bench_client_against_the_server(server: ServerProcess) -> None:
+    from deltaserve.serve.bench import format_report, run_bench
+
+    r = asyncio.run(
+        run_bench(server.url, None, concurrency=4, num_prompts=8, input_len=8, output_len=6, api_key=KEY)
+    )
+    assert (r.completed, r.failed, r.output_tokens) == (8, 0, 48)
+    assert r.ttft_ms["p50"] > 0 and r.e2e_ms["p99"] >= r.e2e_ms["p50"]
+    assert "Output token throughput" in format_report(r)
