@@ -8,7 +8,7 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,6 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltaserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from deltaserve.outputs import RequestOutput
+from deltaserve.sampling import SamplingParams
 from deltaserve.serve.errors import APIError, error_response, from_api_error, param_of, status_phrase
 from deltaserve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from deltaserve.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -99,8 +101,7 @@ def build_app(
     @v1.post("/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         check_model(body.model)
-        prepared = prepare_completion(async_engine, body)
-        response_id = prepared[0].request_id.rsplit("-", 1)[0]
+        response_id, prepared = prepare_completion(async_engine, body)
         streams: list[RequestStream] = []
         try:
             for p in prepared:
@@ -120,9 +121,9 @@ def build_app(
                 media_type="text/event-stream",
                 headers=_SSE_HEADERS,
             )
-        outs = await _until_disconnect(raw, asyncio.gather(*(_last(s) for s in streams)))
+        outs = await _until_disconnect(raw, _all_last(streams))
         return JSONResponse(
-            completion_response(async_engine, body, response_id, list(outs), served_model_name).model_dump()
+            completion_response(async_engine, body, response_id, outs, served_model_name).model_dump()
         )
 
     @app.get("/health")
@@ -142,7 +143,9 @@ def build_app(
     return app
 
 
-async def _add(engine: AsyncEngine, request_id: str, prompt: dict, params) -> RequestStream:  # noqa: ANN001
+async def _add(
+    engine: AsyncEngine, request_id: str, prompt: dict[str, Any], params: SamplingParams
+) -> RequestStream:
     try:
         return await engine.add_request(request_id, prompt, params)
     except EngineDeadError as e:
@@ -152,11 +155,17 @@ async def _add(engine: AsyncEngine, request_id: str, prompt: dict, params) -> Re
         raise APIError(400, msg, param=param_of(msg, ("logit_bias", "prompt", "stop_token_ids"))) from e
 
 
-async def _last(stream: RequestStream):  # noqa: ANN202
+async def _last(stream: RequestStream) -> RequestOutput:
     last = None
     async for out in stream:
         last = out
+    assert last is not None and last.finished
     return last
+
+
+async def _all_last(streams: list[RequestStream]) -> list[RequestOutput]:
+    # A coroutine, not a bare gather future: cancelling it then cancels the readers cleanly.
+    return list(await asyncio.gather(*(_last(s) for s in streams)))
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -26,7 +26,7 @@ from deltaserve.serve.protocol import (
     random_id,
 )
 from deltaserve.serve.reasoning import StreamingReasoningParser, split_reasoning, thinking_open
-from deltaserve.serve.streaming import DONE, ChoiceCursor, sse
+from deltaserve.serve.streaming import DONE, ChoiceCursor, sse, sse_error
 
 
 @dataclass(slots=True)
@@ -135,6 +135,9 @@ async def chat_stream(
                 yield chunk([choice], _usage(out) if continuous else None)
         if include_usage and last is not None:
             yield chunk([], _usage(last))
+        yield DONE
+    except Exception as e:  # headers are sent: report in-band, as OpenAI and vLLM do
+        yield sse_error(e)
         yield DONE
     finally:
         if not stream.finished:  # the client went away (or the server is stopping): free the cache now

@@ -23,7 +23,7 @@ from deltaserve.serve.protocol import (
     UsageInfo,
     random_id,
 )
-from deltaserve.serve.streaming import DONE, ChoiceCursor, merge_streams, sse
+from deltaserve.serve.streaming import DONE, ChoiceCursor, merge_streams, sse, sse_error
 
 
 @dataclass(slots=True)
@@ -45,7 +45,8 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     return list(p)  # type: ignore[arg-type]
 
 
-def prepare_completion(engine: AsyncEngine, req: CompletionRequest) -> list[PreparedPrompt]:
+def prepare_completion(engine: AsyncEngine, req: CompletionRequest) -> tuple[str, list[PreparedPrompt]]:
+    """(response id, one prepared engine request per prompt)."""
     base = random_id("cmpl")
     prepared = []
     for i, prompt in enumerate(_prompts(req)):
@@ -59,7 +60,7 @@ def prepare_completion(engine: AsyncEngine, req: CompletionRequest) -> list[Prep
             raise APIError(400, f"prompt {i} is empty; it needs at least one token", param="prompt")
         params = to_sampling_params(req, len(ids), engine.max_model_len)
         prepared.append(PreparedPrompt(f"{base}-{i}", text, ids, params))
-    return prepared
+    return base, prepared
 
 
 def _usage(outs: list[RequestOutput]) -> UsageInfo:
@@ -143,6 +144,9 @@ async def completion_stream(
                     usage=_usage(list(last.values())),
                 )
             )
+        yield DONE
+    except Exception as e:  # headers are sent: report in-band, as OpenAI and vLLM do
+        yield sse_error(e)
         yield DONE
     finally:
         for p, s in zip(prepared, streams, strict=True):

@@ -5,19 +5,27 @@ streams into one."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from deltaserve.engine.async_engine import RequestStream
+from deltaserve.engine.async_engine import EngineDeadError, RequestStream
 from deltaserve.outputs import CompletionOutput, RequestOutput
+from deltaserve.serve.errors import error_body
 
 DONE = "data: [DONE]\n\n"
 
 
 def sse(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
+
+
+def sse_error(e: Exception) -> str:
+    """An error after the stream has started (the engine stopped): the 200 is already sent."""
+    status = 503 if isinstance(e, EngineDeadError) else 500
+    return f"data: {json.dumps(error_body(status, f'{type(e).__name__}: {e}'))}\n\n"
 
 
 @dataclass(slots=True)
