@@ -1,0 +1,1 @@
+"""The web inspector: trace capture (trace.py), step events (live.py), routes and the static page."""

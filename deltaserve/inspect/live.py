@@ -1,0 +1,144 @@
+"""The live view's step-event bus: LLMEngine.step_listeners calls `on_step` on the engine thread after
+every step; SSE handlers on the event loop read what it recorded.
+
+Zero cost when nobody looks: with no watcher connected `on_step` returns after one check, so serving pays a
+Python call per step and builds nothing. With watchers, each step becomes one snapshot (scheduled
+requests, queues, block and slot ownership) in a bounded buffer; watchers are woken through their own
+loop (call_soon_threadsafe), and a slow one skips steps rather than holding memory."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Watcher:
+    loop: asyncio.AbstractEventLoop
+    wake: asyncio.Event
+
+
+def spec_view(engine: Any, stats: Any) -> dict[str, Any]:
+    """Speculative-decoding counters when the engine has them (draft / accept fields), else not enabled."""
+    fields = {k: getattr(stats, k) for k in getattr(stats, "__slots__", ())
+              if ("draft" in k or "accept" in k) and isinstance(getattr(stats, k), int | float)}
+    config = getattr(engine.config, "speculative_config", None)
+    if not fields and not config:
+        return {"enabled": False}
+    out: dict[str, Any] = {"enabled": True, "config": config, **fields}
+    drafts = fields.get("num_draft_tokens")
+    accepted = fields.get("num_accepted_tokens")
+    if drafts and accepted is not None:
+        out["acceptance_rate"] = accepted / drafts
+    return out
+
+
+def snapshot(engine: Any, sched: Any) -> dict[str, Any]:
+    """One step as plain data, read on the engine thread right after the step (nothing moves meanwhile)."""
+    sch = engine.scheduler
+    blocks, slots = engine.cache.owners()
+    stats = engine.stats()
+    scheduled = []
+    for s in sched.scheduled:
+        drafts = getattr(s, "num_draft_tokens", None)
+        if drafts is None:
+            drafts = len(getattr(s, "draft_token_ids", None) or ())
+        scheduled.append({"id": s.request.request_id, "n": s.num_tokens, "kind": s.kind,
+                          "context": s.context_len, "drafts": drafts})
+    return {
+        "step": engine.num_steps, "time": time.time(),
+        "budget": sch.max_num_batched_tokens, "max_num_seqs": sch.max_num_seqs,
+        "num_tokens": sched.num_tokens, "scheduled": scheduled,
+        "waiting": [r.request_id for r in list(sch.waiting)[:64]], "num_waiting": len(sch.waiting),
+        "running": [r.request_id for r in list(sch.running)[:64]], "num_running": len(sch.running),
+        "preempted": list(sched.preempted), "num_preemptions": stats.num_preemptions,
+        "num_blocks": stats.cache.total_blocks, "num_slots": stats.cache.total_slots,
+        "blocks": blocks, "slots": slots,
+        "prompt_tokens": stats.prompt_tokens, "generation_tokens": stats.generation_tokens,
+        "spec": spec_view(engine, stats),
+    }
+
+
+class StepEventBus:
+    def __init__(self, engine: Any, maxlen: int = 256) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._events: deque[tuple[int, dict[str, Any]]] = deque(maxlen=maxlen)
+        self._seq = 0
+        self._watchers: dict[int, _Watcher] = {}
+        self._ids = itertools.count()
+        engine.step_listeners.append(self.on_step)
+
+    @property
+    def num_watchers(self) -> int:
+        return len(self._watchers)
+
+    def on_step(self, sched: Any) -> None:
+        if not self._watchers:
+            return
+        try:  # the engine calls listeners unguarded: an inspector bug must never stop serving
+            event = snapshot(self.engine, sched)
+        except Exception:
+            log.exception("inspector: step snapshot failed")
+            return
+        with self._lock:
+            self._seq += 1
+            event["seq"] = self._seq
+            self._events.append((self._seq, event))
+            watchers = list(self._watchers.values())
+        for w in watchers:
+            try:
+                w.loop.call_soon_threadsafe(w.wake.set)
+            except RuntimeError:  # that watcher's loop is closed
+                pass
+
+    def since(self, seq: int) -> list[dict[str, Any]]:
+        with self._lock:
+            return [e for s, e in self._events if s > seq]
+
+    def status(self) -> dict[str, Any]:
+        """The engine's state between steps (for a watcher that just connected). Racy but read-only."""
+        e = self.engine
+        stats = e.stats()
+        return {
+            "step": e.num_steps, "budget": e.scheduler.max_num_batched_tokens,
+            "max_num_seqs": e.scheduler.max_num_seqs, "num_blocks": stats.cache.total_blocks,
+            "num_slots": stats.cache.total_slots, "block_size": e.cache.block_size,
+            "num_waiting": stats.num_waiting, "num_running": stats.num_running,
+            "num_preemptions": stats.num_preemptions, "spec": spec_view(e, stats),
+        }
+
+    async def watch(self, max_batch_interval: float = 0.1, keepalive: float = 10.0
+                    ) -> AsyncIterator[list[dict[str, Any]]]:
+        """Batches of new step events (an empty batch now and then keeps the connection alive). Batches
+        are at most ~10 per second, however fast the engine steps."""
+        watcher = _Watcher(asyncio.get_running_loop(), asyncio.Event())
+        key = next(self._ids)
+        with self._lock:
+            last = self._seq
+            self._watchers[key] = watcher
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(watcher.wake.wait(), keepalive)
+                except TimeoutError:
+                    yield []
+                    continue
+                watcher.wake.clear()
+                events = self.since(last)
+                if events:
+                    last = events[-1]["seq"]
+                    yield events
+                await asyncio.sleep(max_batch_interval)
+        finally:
+            with self._lock:
+                self._watchers.pop(key, None)
