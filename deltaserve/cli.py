@@ -12,6 +12,7 @@ from typing import Any
 from deltaserve.cli_bench import add_bench_parser
 from deltaserve.cli_plan import add_plan_parser
 from deltaserve.cli_serve import add_serve_parser
+from deltaserve.inspect.cli import add_inspect_parser
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -117,6 +118,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_plan_parser,
     add_serve_parser,
     add_bench_parser,
+    add_inspect_parser,
 ]
 
 

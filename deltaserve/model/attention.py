@@ -75,7 +75,7 @@ class GatedAttention(nn.Module):
             out[ctx.decode_tokens] = decode_attention(
                 q[ctx.decode_tokens], k_cache, v_cache, ctx.block_tables[seqs], seq_lens, self.scale
             )
-        for b in ctx.prefill_seqs:
+        for b in ctx.prefill_seqs + ctx.spec_seqs:  # a verify segment attends like a short chunk
             s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]
             out[s:e] = prefill_attention(
                 q[s:e], k_cache, v_cache, ctx.block_tables[b], ctx.seq_lens[b], self.scale

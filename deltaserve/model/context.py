@@ -54,6 +54,10 @@ class ForwardContext:
     state_slots: torch.Tensor | None = None  # [B] long
     slot_mapping: torch.Tensor | None = None  # [T] long: flat KV row of each new token
     trace: ForwardTrace | None = None  # set only by the inspector's own forwards, never by the engine
+    # Per sequence: a speculative verify segment (last sampled token + drafts). Attention treats it as a
+    # short chunk; GDN layers keep the state after every position in spec_states instead of committing,
+    # because only the engine knows, after acceptance, which position's state is the right one.
+    verify: list[bool] | None = None
     # derived in __post_init__
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
@@ -61,6 +65,11 @@ class ForwardContext:
     prefill_seqs: list[int] = field(default_factory=list)  # the others (prompt chunks)
     decode_tokens: torch.Tensor | None = None  # [D] token index of each decode sequence
     decode_fresh: torch.Tensor | None = None  # [D] bool: decode sequence with nothing cached
+    spec_seqs: list[int] = field(default_factory=list)  # verify segments (never fresh)
+    spec_tokens: torch.Tensor | None = None  # [S, L] token index per position, padded with the last one
+    spec_valid: torch.Tensor | None = None  # [S, L] bool: real (not padding) positions
+    # GDN layer id -> (conv [S, L, conv_dim, K-1], recurrent [S, L, Hv, dk, dv]) after each position
+    spec_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     uniform_len: int = 0  # stateless batch whose sequences all have this length (else 0)
 
     def __post_init__(self) -> None:
@@ -74,8 +83,17 @@ class ForwardContext:
             self.uniform_len = lens.pop() if len(lens) == 1 else 0
             self.prefill_seqs = list(range(len(self.query_lens)))
             return
-        self.decode_seqs = [b for b, q in enumerate(self.query_lens) if q == 1]
-        self.prefill_seqs = [b for b, q in enumerate(self.query_lens) if q != 1]
+        verify = self.verify or [False] * len(self.query_lens)
+        self.spec_seqs = [b for b, v in enumerate(verify) if v]
+        self.decode_seqs = [b for b, q in enumerate(self.query_lens) if q == 1 and not verify[b]]
+        self.prefill_seqs = [b for b, q in enumerate(self.query_lens) if q != 1 and not verify[b]]
+        if self.spec_seqs:
+            width = max(self.query_lens[b] for b in self.spec_seqs)
+            offs = torch.arange(width)
+            lens = torch.tensor([self.query_lens[b] for b in self.spec_seqs])
+            starts = torch.tensor([qsl[b] for b in self.spec_seqs])
+            self.spec_valid = offs[None, :] < lens[:, None]
+            self.spec_tokens = starts[:, None] + torch.minimum(offs[None, :], lens[:, None] - 1)
         self.decode_tokens = torch.tensor([qsl[b] for b in self.decode_seqs], dtype=torch.long)
         self.decode_fresh = torch.tensor([self.context_lens[b] == 0 for b in self.decode_seqs])
 

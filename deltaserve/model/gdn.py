@@ -14,7 +14,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.layers import GatedRMSNorm
 from deltaserve.ops.conv import causal_conv1d, causal_conv1d_step
-from deltaserve.ops.delta_rule import delta_rule_chunked, delta_rule_step
+from deltaserve.ops.delta_rule import delta_rule_chunked, delta_rule_recurrent, delta_rule_step
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -119,6 +119,8 @@ class GatedDeltaNet(nn.Module):
             o, state = delta_rule_step(q, k, v, g[idx], beta[idx], state)
             ssm_cache[slots] = state.to(ssm_cache.dtype)
             core[idx] = o
+        if ctx.spec_seqs:
+            self._verify(qkv, g, beta, weight, ctx, core)
         for b in ctx.prefill_seqs:
             s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]
             slot = int(ctx.state_slots[b])
@@ -131,3 +133,26 @@ class GatedDeltaNet(nn.Module):
             ssm_cache[slot] = state.to(ssm_cache.dtype)
             core[s:e] = o
         return core
+
+    def _verify(
+        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor,
+        ctx: ForwardContext, core: torch.Tensor,
+    ) -> None:
+        """Speculative verify segments, batched as [S, L]: outputs go to `core`; the conv and recurrent
+        states after every position go to ctx.spec_states and the slots stay untouched until the engine
+        commits the state of the last accepted position. Padding positions get g = 0 and beta = 0, which
+        leave the state unchanged, and their outputs are never read."""
+        idx, valid = ctx.spec_tokens, ctx.spec_valid  # [S, L]
+        slots = ctx.state_slots[ctx.spec_seqs]
+        K = self.kernel_size
+        x = qkv[idx].transpose(1, 2)  # [S, conv_dim, L]
+        window = torch.cat([ctx.cache.conv[self.layer_id][slots].to(x.dtype), x], dim=2)  # [S, C, K-1+L]
+        mixed = F.conv1d(window, weight[:, None, :].to(x.dtype), groups=self.conv_dim)  # [S, C, L]
+        # The conv state after position i is the window's K-1 columns ending at input i.
+        conv_states = window.unfold(2, K - 1, 1)[:, :, 1:].transpose(1, 2)  # [S, L, C, K-1]
+        q, k, v = self._split_heads(F.silu(mixed.transpose(1, 2)))  # [S, L, Hv, d]
+        mask = valid.float()[..., None]
+        state = ctx.cache.ssm[self.layer_id][slots].float()
+        o, states = delta_rule_recurrent(q, k, v, g[idx] * mask, beta[idx] * mask, state)
+        core[idx[valid]] = o[valid]
+        ctx.spec_states[self.layer_id] = (conv_states, states)

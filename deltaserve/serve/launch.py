@@ -37,6 +37,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     from deltaserve.engine.async_engine import AsyncEngine
     from deltaserve.engine.config import EngineConfig
     from deltaserve.engine.llm_engine import LLMEngine
+    from deltaserve.inspect.routes import build_inspect_router
     from deltaserve.serve.app import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -44,7 +45,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     name = args.served_model_name or config.model or DEMO_MODEL_NAME
     log.info("loading %s", config.model or "the embedded demo checkpoint")
     engine = AsyncEngine(LLMEngine(config)).start()
-    app = build_app(engine, name, api_key=args.api_key, model_root=config.model)
+    app = build_app(engine, name, api_key=args.api_key, model_root=config.model,
+                    extra_routers=[build_inspect_router(engine.engine)])  # the inspector at /inspect
     print(usage_banner(args.host, args.port, name, args.api_key), flush=True)
     server = uvicorn.Server(
         uvicorn.Config(
