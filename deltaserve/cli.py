@@ -15,6 +15,17 @@ from deltaserve.cli_serve import add_serve_parser
 from deltaserve.inspect.cli import add_inspect_parser
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """argparse type for JSON-object flags: a clear message instead of "invalid loads value"."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f'expected a JSON object like {{"method": "mtp"}}, got {text!r}')
+    return value
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags, spelled as in vLLM; shared by every subcommand that builds an engine."""
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
@@ -28,7 +39,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument(
         "--speculative-config",
-        type=json.loads,
+        type=json_object,
         default=None,
         help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'',
     )

@@ -28,6 +28,44 @@ class RequestMetrics:
 
 
 @dataclass(slots=True)
+class SpecDecodeMetrics:
+    """Speculative decoding counters (vLLM's names): a draft is one verify step of one sequence."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # accepted_per_position[i]: drafts whose (i+1)-th token was accepted (length num_speculative_tokens)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify step: the accepted drafts plus the one the target always adds."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def add(self, other: SpecDecodeMetrics) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        missing = len(other.accepted_per_position) - len(self.accepted_per_position)
+        self.accepted_per_position += [0] * max(missing, 0)
+        for i, n in enumerate(other.accepted_per_position):
+            self.accepted_per_position[i] += n
+
+    def record(self, num_drafted: int, num_accepted: int, k: int) -> None:
+        if len(self.accepted_per_position) < k:
+            self.accepted_per_position += [0] * (k - len(self.accepted_per_position))
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """One generated sequence (one of the n of a request)."""
 
@@ -51,3 +89,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    spec: SpecDecodeMetrics | None = None  # speculative decoding counters, summed over the n sequences

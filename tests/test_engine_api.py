@@ -90,9 +90,9 @@ def test_stop_token_ids_and_eos(path: Path) -> None:
     [
         (dict(enable_prefix_caching=True), UnsupportedFeatureError, "enable_prefix_caching"),
         (
-            dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
-            UnsupportedFeatureError,
-            "speculative_config",
+            dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+            EngineConfigError,
+            "speculative_config.method 'ngram'",
         ),
         (dict(tensor_parallel_size=2), UnsupportedFeatureError, "tensor_parallel_size=2"),
         (dict(kv_cache_dtype="fp8"), EngineConfigError, "kv_cache_dtype 'fp8'"),

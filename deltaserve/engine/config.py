@@ -34,6 +34,12 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     seed: int = 0
 
+    @property
+    def num_speculative_tokens(self) -> int:
+        """k drafts per step with MTP speculation, 0 without."""
+        spec = self.speculative_config
+        return 0 if spec is None else int(spec["num_speculative_tokens"])
+
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
             value = getattr(self, name)
@@ -63,10 +69,35 @@ class EngineConfig:
                 "run with enable_prefix_caching=False"
             )
         if self.speculative_config is not None:
-            raise UnsupportedFeatureError(
-                f"speculative_config={self.speculative_config!r} is not supported yet; pass None"
-            )
+            validate_speculative_config(self.speculative_config)
         if self.tensor_parallel_size != 1:
             raise UnsupportedFeatureError(
                 f"tensor_parallel_size={self.tensor_parallel_size} is not supported on this engine; use 1"
             )
+
+
+SPEC_METHODS = ("mtp",)
+
+
+def validate_speculative_config(spec: Any) -> None:
+    """{"method": "mtp", "num_speculative_tokens": k}: the model's own MTP head drafts k tokens per step."""
+    if not isinstance(spec, dict):
+        raise EngineConfigError(
+            f'speculative_config must be a dict like {{"method": "mtp", "num_speculative_tokens": 2}}, '
+            f"got {type(spec).__name__} {spec!r}"
+        )
+    unknown = sorted(set(spec) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise EngineConfigError(
+            f"speculative_config has unknown keys {unknown}; accepted: method, num_speculative_tokens"
+        )
+    method = spec.get("method")
+    if method not in SPEC_METHODS:
+        raise EngineConfigError(
+            f"speculative_config.method {method!r} is not supported; accepted: {', '.join(SPEC_METHODS)}"
+        )
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise EngineConfigError(
+            f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}"
+        )

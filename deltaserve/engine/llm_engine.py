@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -20,10 +21,11 @@ from deltaserve.engine.planner import gdn_state_bytes_per_seq, kv_bytes_per_bloc
 from deltaserve.engine.request import Request, RequestGroup, RequestStatus
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_params_for_vocab
-from deltaserve.engine.scheduler import DECODE, Scheduler, SchedulerOutput
+from deltaserve.engine.scheduler import DECODE, VERIFY, Scheduler, SchedulerOutput
+from deltaserve.engine.spec_decode import SpecDecoder
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 from deltaserve.model.loader import load_model
-from deltaserve.outputs import RequestOutput
+from deltaserve.outputs import RequestOutput, SpecDecodeMetrics
 from deltaserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -58,15 +60,18 @@ class EngineStats:
     cache: CacheUsage
     prompt_tokens: int  # tokens run through the model as prompt/recompute chunks, all steps
     generation_tokens: int  # tokens sampled, all steps
+    spec: SpecDecodeMetrics | None = None  # speculative decoding counters (None without speculation)
 
 
-def plan_cache(cfg: ModelConfig, econf: EngineConfig, kv_dtype: torch.dtype) -> CachePlan:
+def plan_cache(
+    cfg: ModelConfig, econf: EngineConfig, kv_dtype: torch.dtype, with_mtp: bool = False
+) -> CachePlan:
     """Split kv_cache_memory between max_num_seqs GDN state slots and as many KV blocks as fit, no more
     than max_num_seqs sequences of max_model_len could use. Raise if one max_model_len sequence does not
     fit, since then a lone request could never complete."""
     bs = econf.block_size
     slots = econf.max_num_seqs
-    block_bytes = kv_bytes_per_block(cfg, bs, kv_dtype, False)
+    block_bytes = kv_bytes_per_block(cfg, bs, kv_dtype, with_mtp)
     slot_bytes = gdn_state_bytes_per_seq(
         cfg, kv_dtype, ssm_dtype=torch.float32
     )  # allocate_cache keeps it fp32
@@ -113,14 +118,21 @@ class LLMEngine:
         torch.manual_seed(config.seed)  # unseeded random sampling draws from the global generator
         dtype = torch.float32 if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
         path = self._model_path()
-        self.model = model if model is not None else load_model(path, dtype, with_mtp=False)
+        k = config.num_speculative_tokens
+        # Speculation drafts with the checkpoint's MTP head: the loader names a checkpoint without mtp.*.
+        self.model = model if model is not None else load_model(path, dtype, with_mtp=k > 0)
+        if k and self.model.mtp is None:
+            raise EngineConfigError(
+                "speculative_config method 'mtp' needs the model's MTP head, and this model has none "
+                "(no mtp.* tensors); drop speculative_config"
+            )
         self.model_config = self.model.config
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else TORCH_DTYPES[config.kv_cache_dtype]
-        plan = plan_cache(self.model_config, config, kv_dtype)
+        plan = plan_cache(self.model_config, config, kv_dtype, with_mtp=k > 0)
         self.max_model_len = plan.max_model_len
         self.cache_tensors = allocate_cache(
-            self.model_config, plan.num_blocks, config.block_size, plan.num_slots, kv_dtype, with_mtp=False
+            self.model_config, plan.num_blocks, config.block_size, plan.num_slots, kv_dtype, with_mtp=k > 0
         )
         self.cache = CacheManager(plan.num_blocks, config.block_size, plan.num_slots)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
@@ -128,7 +140,13 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = sorted(eos)
-        self.runner = ModelRunner(self.model, self.cache_tensors, self.cache, Sampler(self.eos_token_ids))
+        sampler = Sampler(self.eos_token_ids)
+        spec = None
+        self.spec_metrics: SpecDecodeMetrics | None = None
+        if k:
+            spec = SpecDecoder(self.model, self.cache_tensors, self.cache, sampler, k, self.max_model_len)
+            self.spec_metrics = SpecDecodeMetrics(accepted_per_position=[0] * k)
+        self.runner = ModelRunner(self.model, self.cache_tensors, self.cache, sampler, spec)
         self.groups: dict[str, RequestGroup] = {}
         self.requests: dict[str, Request] = {}
         self._aborted_outputs: list[RequestOutput] = []
@@ -178,6 +196,9 @@ class LLMEngine:
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
             req.sampling.output_token_ids = req.output_token_ids  # one list: penalties read what we append
+            if self.spec_metrics is not None:
+                k = self.config.num_speculative_tokens
+                req.spec_metrics = SpecDecodeMetrics(accepted_per_position=[0] * k)
             req.metrics.arrival_time = group.arrival_time
             group.children.append(req)
             self.requests[child_id] = req
@@ -250,12 +271,28 @@ class LLMEngine:
         self.num_steps += 1
         result = self.runner.execute(sched)
         for s in sched.scheduled:
+            if s.kind == VERIFY:
+                # The real token and the accepted drafts are in the cache; later rows are stale.
+                s.request.num_computed_tokens += 1 + result.verified[s.request.request_id].num_accepted
+                continue
             s.request.num_computed_tokens += s.num_tokens
             if s.kind != DECODE:
                 self.prompt_tokens += s.num_tokens
         touched: dict[str, RequestGroup] = {}
+        now = time.monotonic()
+        for rid, v in result.verified.items():
+            req = self.requests[rid]
+            k = len(req.spec_metrics.accepted_per_position)
+            req.spec_metrics.record(v.num_drafted, v.num_accepted, k)
+            self.spec_metrics.record(v.num_drafted, v.num_accepted, k)
+            req.spec_token_ids, req.spec_draft_probs = [], []
+            # Stop conditions token by token: a request may finish inside an accepted run.
+            for token, lp in zip(v.token_ids, v.logprobs, strict=True):
+                self._append_token(req, token, lp, now)
+                if req.is_finished:
+                    break
+            touched[req.group.request_id] = req.group
         if result.sampled is not None:
-            now = time.monotonic()
             for rid, token, lp in zip(
                 result.request_ids, result.sampled.token_ids, result.sampled.logprobs, strict=True
             ):
@@ -268,6 +305,7 @@ class LLMEngine:
                 del self.groups[group.request_id]
                 for req in group.children:
                     self.requests.pop(req.request_id, None)
+        self.runner.propose(sched)  # drafts for the next step, now that the new tokens are known
         for listener in self.step_listeners:
             listener(sched)
         return outputs
@@ -313,6 +351,7 @@ class LLMEngine:
             cache=self.cache.usage(),
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            spec=None if self.spec_metrics is None else copy.deepcopy(self.spec_metrics),
         )
 
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from deltaserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deltaserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeMetrics
 from deltaserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -60,6 +60,11 @@ class Request:
     cumulative_logprob: float | None = None
     stop_reason: int | str | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
+    # Speculation: drafts proposed after the last step, to verify in the next one (not yet part of the
+    # output), the distribution each was drawn from (None rows for greedy), and the running counters.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: list[Any] = field(default_factory=list)  # per draft: probs [V] or None
+    spec_metrics: SpecDecodeMetrics | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -137,7 +142,13 @@ class RequestGroup:
             num_preemptions=sum(c.metrics.num_preemptions for c in self.children),
             inter_token_latencies=list(m.inter_token_latencies),
         )
+        spec = None
+        for c in self.children:
+            if c.spec_metrics is not None:
+                spec = spec or SpecDecodeMetrics()
+                spec.add(c.spec_metrics)
         return RequestOutput(
+            spec=spec,
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,

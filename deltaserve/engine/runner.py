@@ -1,15 +1,17 @@
 """ModelRunner: turns one SchedulerOutput into one forward over a flat [T] batch, and samples only the
-rows that need a token (the last row of every request whose pending tokens all ran this step)."""
+rows that need a token (the last row of every request whose pending tokens all ran this step); with
+speculation, verify rows go to the SpecDecoder and propose() drafts for the next step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from deltaserve.cache.manager import CacheManager
 from deltaserve.engine.sampler import Sampler, SamplerOutput
-from deltaserve.engine.scheduler import SchedulerOutput
+from deltaserve.engine.scheduler import VERIFY, SchedulerOutput
+from deltaserve.engine.spec_decode import SpecDecoder, VerifyResult
 from deltaserve.model.context import CacheTensors, ForwardContext
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 
@@ -18,31 +20,48 @@ from deltaserve.model.decoder import Qwen3_5ForCausalLM
 class ModelRunnerOutput:
     request_ids: list[str]  # the requests that got a token, in row order
     sampled: SamplerOutput | None
+    verified: dict[str, VerifyResult] = field(default_factory=dict)  # speculating requests' tokens
 
 
 class ModelRunner:
     def __init__(
-        self, model: Qwen3_5ForCausalLM, cache: CacheTensors, manager: CacheManager, sampler: Sampler
+        self, model: Qwen3_5ForCausalLM, cache: CacheTensors, manager: CacheManager, sampler: Sampler,
+        spec: SpecDecoder | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
         self.manager = manager
         self.sampler = sampler
         self.block_size = manager.block_size
+        self.spec = spec
+        self._last: tuple[torch.Tensor, ForwardContext] | None = None
 
     def build_context(self, sched: SchedulerOutput) -> tuple[torch.Tensor, ForwardContext]:
-        """input_ids [T] and the paged context, built with tensor ops rather than a per-token loop."""
-        entries = sched.scheduled
+        """input_ids [T] and the paged context; a verify entry feeds its last sampled token and drafts."""
         ids: list[int] = []
-        query_lens, context_lens, slots, tables = [], [], [], []
-        for s in entries:
+        for s in sched.scheduled:
             req = s.request
-            ids.extend(req.token_slice(s.context_len, s.context_len + s.num_tokens))
-            query_lens.append(s.num_tokens)
-            context_lens.append(s.context_len)
-            slots.append(self.manager.state_slots[req.request_id])
-            tables.append(self.manager.block_tables[req.request_id])
-        B = len(entries)
+            end = s.context_len + s.num_tokens - s.num_draft_tokens
+            ids.extend(req.token_slice(s.context_len, end))
+            if s.kind == VERIFY:
+                ids.extend(req.spec_token_ids)
+        ctx = self.make_context(
+            [s.num_tokens for s in sched.scheduled],
+            [s.context_len for s in sched.scheduled],
+            [s.request.request_id for s in sched.scheduled],
+            [s.kind == VERIFY for s in sched.scheduled] if self.spec is not None else None,
+        )
+        return torch.tensor(ids, dtype=torch.long), ctx
+
+    def make_context(
+        self, query_lens: list[int], context_lens: list[int], request_ids: list[str],
+        verify: list[bool] | None = None,
+    ) -> ForwardContext:
+        """A paged context over the requests' block tables and state slots, built with tensor ops rather
+        than a per-token loop (the MTP passes reuse it with the same tables)."""
+        tables = [self.manager.block_tables[r] for r in request_ids]
+        slots = [self.manager.state_slots[r] for r in request_ids]
+        B = len(request_ids)
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)  # [B, W]
         qlens = torch.tensor(query_lens, dtype=torch.long)
@@ -55,28 +74,55 @@ class ModelRunner:
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
-        ctx = ForwardContext(
+        return ForwardContext(
             positions=positions,
             query_start_loc=qsl,
-            context_lens=context_lens,
+            context_lens=list(context_lens),
             cache=self.cache,
             block_tables=block_tables,
             state_slots=torch.tensor(slots, dtype=torch.long),
             slot_mapping=slot_mapping,
+            verify=verify,
         )
-        return torch.tensor(ids, dtype=torch.long), ctx
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         input_ids, ctx = self.build_context(sched)
         hidden = self.model(input_ids, ctx)  # [T, H]
         rows, states, request_ids = [], [], []
+        verify_seqs, verify_reqs = [], []
         for b, s in enumerate(sched.scheduled):
-            if s.samples:
+            if s.kind == VERIFY:
+                verify_seqs.append(b)
+                verify_reqs.append(s.request)
+            elif s.samples:
                 rows.append(ctx.query_start_loc[b + 1] - 1)
                 states.append(s.request.sampling)
                 request_ids.append(s.request.request_id)
+        if self.spec is not None:
+            self._last = (hidden, ctx)  # propose() drafts from them once the engine has the new tokens
+        verified: dict[str, VerifyResult] = {}
+        if verify_seqs:
+            assert self.spec is not None
+            results = self.spec.verify(hidden, ctx, verify_seqs, verify_reqs)
+            verified = {r.request_id: v for r, v in zip(verify_reqs, results, strict=True)}
         if not rows:
-            return ModelRunnerOutput([], None)
+            return ModelRunnerOutput([], None, verified)
         logits = self.model.compute_logits(hidden, torch.tensor(rows, dtype=torch.long))  # [N, V] fp32
-        return ModelRunnerOutput(request_ids, self.sampler(logits, states))
+        return ModelRunnerOutput(request_ids, self.sampler(logits, states), verified)
+
+    @torch.inference_mode()
+    def propose(self, sched: SchedulerOutput) -> None:
+        """MTP pass over this step's newly valid positions and the drafts for the next step (after the
+        engine appended the new tokens and advanced num_computed_tokens)."""
+        if self.spec is None or self._last is None:
+            return
+        hidden, ctx = self._last
+        self._last = None
+        entries = [
+            # A request that sampled this step has exactly that token pending; mid-prefill ones more.
+            (b, s.context_len, s.request, s.request.num_pending_tokens == 1)
+            for b, s in enumerate(sched.scheduled)
+            if not s.request.is_finished
+        ]
+        self.spec.propose(hidden, ctx, entries, self.make_context)

@@ -21,6 +21,7 @@ from deltaserve.engine.request import Request, RequestStatus
 
 PREFILL = "prefill"
 DECODE = "decode"
+VERIFY = "verify"  # the token sampled last step plus the MTP drafts after it (speculative decoding)
 
 
 @dataclass(slots=True)
@@ -28,12 +29,13 @@ class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens of this request in this step's forward
     context_len: int  # tokens already in the cache before this step
-    kind: str  # PREFILL (a prompt/recompute chunk) or DECODE (the one token sampled last step)
+    kind: str  # PREFILL (a prompt/recompute chunk), DECODE (the one token sampled last step) or VERIFY
+    num_draft_tokens: int = 0  # VERIFY: the drafts among num_tokens (they follow the one real token)
 
     @property
     def samples(self) -> bool:
         """Whether this step ends the request's pending tokens, so its last row yields a new token."""
-        return self.context_len + self.num_tokens == self.request.num_tokens
+        return self.context_len + self.num_tokens - self.num_draft_tokens == self.request.num_tokens
 
 
 @dataclass(slots=True)
@@ -82,6 +84,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_pending_tokens, budget)
+            drafts = 0
+            if req.spec_token_ids and req.num_pending_tokens == 1:
+                # Verify 1 + k tokens; drafts beyond the budget are dropped, not postponed (stale next step).
+                drafts = min(len(req.spec_token_ids), budget - 1)
+                del req.spec_token_ids[drafts:], req.spec_draft_probs[drafts:]
+                n = 1 + drafts
             ok = True
             while not self.cache.allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
@@ -92,7 +100,7 @@ class Scheduler:
                     break
             if not ok:
                 break
-            scheduled.append(self._entry(req, n))
+            scheduled.append(self._entry(req, n, drafts))
             budget -= n
             i += 1
 
@@ -112,13 +120,17 @@ class Scheduler:
         return SchedulerOutput(scheduled, len(self.waiting), len(self.running), preempted)
 
     @staticmethod
-    def _entry(req: Request, n: int) -> ScheduledRequest:
+    def _entry(req: Request, n: int, drafts: int = 0) -> ScheduledRequest:
+        if drafts:
+            return ScheduledRequest(req, n, req.num_computed_tokens, VERIFY, drafts)
         # A single token that finishes the pending work is a decode step (for a fresh 1-token prompt too).
         kind = DECODE if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens else PREFILL
         return ScheduledRequest(req, n, req.num_computed_tokens, kind)
 
     def _preempt(self, req: Request) -> None:
         self.cache.free(req.request_id)
+        req.spec_token_ids.clear()  # drafts are proposed afresh once the request is recomputed
+        req.spec_draft_probs.clear()
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1

@@ -1,0 +1,249 @@
+"""MTP speculative decoding: draft k tokens with the model's MTP head, verify them in the next step's
+flat forward, accept exactly (greedy: while draft == target argmax; sampling: rejection sampling).
+
+Position bookkeeping (one request; x_i is token i of prompt + output, h_t the trunk's final-normed hidden
+at position t, i.e. after reading x_0..x_t):
+
+- The MTP entry for trunk position t reads (h_t, x_{t+1}), sits at rotary position t and keeps its K/V
+  in the MTP layer's paged cache at position t (same block table as the trunk). Its output predicts x_{t+2}.
+- Invariant after every step: MTP entries 0 .. num_computed_tokens-1 are valid (made from trunk hiddens
+  and real tokens), exactly the positions whose trunk K/V and GDN state the cache holds.
+- After a step in which positions [c, c+n) became valid (a prompt chunk: n = chunk; a decode: n = 1; a
+  verify of 1+m tokens with a drafts accepted: n = 1+a), MTP pass 1 runs those n entries (tokens
+  x_{c+1} .. x_{c+n}; the last is the token sampled this step, or the next prompt token mid-prefill),
+  which restores the invariant. Its last row, t = c+n-1, drafts d_1: the token at position c+n+1, right
+  after x_{c+n}, the one just sampled.
+- Draft pass j = 2..k feeds pass j-1's output hidden and d_{j-1} at position t+j-1 (context t+j-1). Those
+  entries are speculative: the next step's pass 1 rewrites every one of them that ends up accepted before
+  anything reads it, and the ones past the accepted length are rewritten before the sequence grows
+  that far (attention reads only positions < its sequence length).
+- The verify step feeds x_{n-1} (the last sampled token, at position n-1 where n = num_tokens) and
+  d_1..d_m at positions n-1 .. n-1+m. Row i's target distribution decides d_{i+1}; row m gives the bonus.
+  With a accepted, positions n-1 .. n-1+a become valid; the GDN slots take the state after row a and the
+  trunk K/V of later rows are stale until overwritten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.cache.manager import CacheManager
+from deltaserve.engine.request import Request
+from deltaserve.engine.sampler import Sampler, SequenceSamplingState, _sample
+from deltaserve.model.context import CacheTensors, ForwardContext
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    token_ids: list[int]  # accepted drafts, then the target's own token (correction or bonus)
+    logprobs: list[dict[int, float] | None]
+    num_drafted: int
+    num_accepted: int
+
+
+def _state_at(s: SequenceSamplingState, extra: list[int]) -> SequenceSamplingState:
+    """The sampling state as it would be with `extra` tokens already generated (penalties, min_tokens)."""
+    return SequenceSamplingState(s.params, s.generator, s.prompt_token_ids, s.output_token_ids + extra)
+
+
+def _logprob_entry(row: torch.Tensor, token: int, n: int) -> dict[int, float]:
+    """The sampler's format: the chosen token first, then the top-n of the raw distribution."""
+    entry = {token: float(row[token])}
+    if n:
+        vals, ids = row.topk(min(n, row.shape[0]))
+        for t, v in zip(ids.tolist(), vals.tolist(), strict=True):
+            entry.setdefault(t, v)
+    return entry
+
+
+def _uniform(generator: torch.Generator | None) -> float:
+    return float(torch.rand((), generator=generator))
+
+
+class SpecDecoder:
+    def __init__(
+        self, model: torch.nn.Module, cache: CacheTensors, manager: CacheManager, sampler: Sampler,
+        num_speculative_tokens: int, max_model_len: int,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.manager = manager
+        self.sampler = sampler
+        self.k = num_speculative_tokens
+        self.max_model_len = max_model_len
+
+    # ---- verification -----------------------------------------------------------------------------------
+    def verify(
+        self, hidden: torch.Tensor, ctx: ForwardContext, seqs: Sequence[int], requests: Sequence[Request]
+    ) -> list[VerifyResult]:
+        """seqs: the verify sequences of ctx (ctx.spec_seqs order). Accepts or rejects each request's
+        drafts against the target distribution of every verified row, built by the sampler's own stages
+        with the state each row would have seen without speculation, then commits the GDN state of the
+        last accepted position."""
+        rows: list[int] = []
+        states: list[SequenceSamplingState] = []
+        for b, req in zip(seqs, requests, strict=True):
+            start = ctx.query_start_loc[b]
+            drafts = req.spec_token_ids
+            for i in range(len(drafts) + 1):
+                rows.append(start + i)
+                states.append(_state_at(req.sampling, drafts[:i]))
+        logits = self.model.compute_logits(hidden, torch.tensor(rows, dtype=torch.long))  # [R, V]
+        processed = self.sampler.process_logits(logits, states)
+        want_lp = [r.params.logprobs is not None for r in requests]
+        raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+
+        results: list[VerifyResult] = []
+        r0 = 0
+        for req, lp_wanted in zip(requests, want_lp, strict=True):
+            drafts = req.spec_token_ids
+            m = len(drafts)
+            block = slice(r0, r0 + m + 1)
+            if req.params.greedy:
+                target = processed[block].argmax(dim=-1).tolist()
+                a = 0
+                while a < m and drafts[a] == target[a]:
+                    a += 1
+                tokens = drafts[:a] + [target[a]]
+            else:
+                tokens = self._rejection_sample(req, processed[block], states[block])
+                a = len(tokens) - 1
+            logprobs: list[dict[int, float] | None] = [None] * len(tokens)
+            if lp_wanted and raw_lp is not None:
+                n = req.params.logprobs or 0
+                logprobs = [_logprob_entry(raw_lp[r0 + i], t, n) for i, t in enumerate(tokens)]
+            results.append(VerifyResult(tokens, logprobs, m, a))
+            r0 += m + 1
+        self._commit_gdn_states(ctx, [r.num_accepted for r in results])
+        return results
+
+    def _rejection_sample(
+        self, req: Request, processed: torch.Tensor, states: list[SequenceSamplingState]
+    ) -> list[int]:
+        """Leviathan et al.: accept d_i with probability min(1, p(d_i)/q(d_i)); at the first rejection draw
+        from normalised max(p - q, 0); with every draft accepted draw the bonus from p. The emitted tokens
+        are then distributed exactly as sampling from p alone."""
+        p = self.sampler.filtered_probs(processed, states)  # [m+1, V]
+        gen = req.sampling.generator
+        drafts = req.spec_token_ids
+        out: list[int] = []
+        for i, (d, q) in enumerate(zip(drafts, req.spec_draft_probs, strict=True)):
+            if _uniform(gen) * float(q[d]) < float(p[i, d]):
+                out.append(d)
+                continue
+            residual = (p[i] - q).clamp_min(0.0)
+            total = float(residual.sum())
+            # total == 0 means p == q, where rejection has probability 0; only rounding gets here.
+            dist = residual / total if total > 0 else p[i]
+            out.append(int(_sample(dist[None], [gen])[0]))
+            return out
+        out.append(int(_sample(p[len(drafts)][None], [gen])[0]))
+        return out
+
+    def _commit_gdn_states(self, ctx: ForwardContext, accepted: list[int]) -> None:
+        if not ctx.spec_states:
+            return
+        slots = ctx.state_slots[ctx.spec_seqs]
+        pick = torch.tensor(accepted, dtype=torch.long)
+        rows = torch.arange(len(accepted))
+        for layer_id, (conv_states, ssm_states) in ctx.spec_states.items():
+            conv_cache, ssm_cache = self.cache.conv[layer_id], self.cache.ssm[layer_id]
+            conv_cache[slots] = conv_states[rows, pick].to(conv_cache.dtype)
+            ssm_cache[slots] = ssm_states[rows, pick].to(ssm_cache.dtype)
+        ctx.spec_states.clear()  # the per-position states are large; drop them now
+
+    # ---- drafting ---------------------------------------------------------------------------------------
+    def propose(
+        self, hidden: torch.Tensor, ctx: ForwardContext, entries: Sequence[tuple[int, int, Request, bool]],
+        make_context,
+    ) -> None:
+        """entries: (sequence index in ctx, context_len, request, drafts) for every scheduled request that
+        is still running. Runs MTP pass 1 over the positions that became valid this step (all of them,
+        so the MTP cache keeps up with the trunk), then k-1 draft passes for the requests that draft.
+        make_context(query_lens, context_lens, request_ids) builds a paged ForwardContext."""
+        rows: list[int] = []
+        tokens: list[int] = []
+        qlens, clens, rids = [], [], []
+        for b, c, req, _ in entries:
+            n = req.num_computed_tokens - c
+            rows.extend(range(ctx.query_start_loc[b], ctx.query_start_loc[b] + n))
+            tokens.extend(req.token_slice(c + 1, c + n + 1))
+            qlens.append(n)
+            clens.append(c)
+            rids.append(req.request_id)
+        if not rows:
+            return
+        mctx = make_context(qlens, clens, rids)
+        h = self.model.mtp_hidden(torch.tensor(tokens, dtype=torch.long), hidden[rows], mctx)  # [N, H]
+
+        drafters: list[Request] = []
+        last_rows: list[int] = []
+        budgets: list[int] = []
+        end = 0
+        for (_, _, req, wants), n in zip(entries, qlens, strict=True):
+            end += n
+            if not wants:
+                continue
+            k = self._num_drafts(req)
+            if k > 0:
+                drafters.append(req)
+                last_rows.append(end - 1)
+                budgets.append(k)
+        if not drafters:
+            return
+        h = h[last_rows]
+        for req in drafters:
+            req.spec_token_ids = []
+            req.spec_draft_probs = []
+        active = list(range(len(drafters)))  # drafters still drafting; h has one row per entry
+        for j in range(self.k):
+            if j > 0:
+                keep = [p for p, i in enumerate(active) if budgets[i] > j]
+                if not keep:
+                    break
+                active = [active[p] for p in keep]
+                reqs = [drafters[i] for i in active]
+                # Pass j+1: the entry for position t+j (t = last valid position), fed the previous pass's
+                # hidden and draft; it attends to the MTP entries 0 .. t+j.
+                ctx_lens = [r.num_computed_tokens - 1 + j for r in reqs]
+                dctx = make_context([1] * len(reqs), ctx_lens, [r.request_id for r in reqs])
+                prev = torch.tensor([r.spec_token_ids[-1] for r in reqs], dtype=torch.long)
+                h = self.model.mtp_hidden(prev, h[keep], dctx, step=j)
+            self._sample_drafts([drafters[i] for i in active], self.model.compute_logits(h))
+
+    def _num_drafts(self, req: Request) -> int:
+        """k, or fewer: no more than the request may still emit minus the target's own token, no position
+        at or past max_model_len, and draft passes only where blocks can be had."""
+        k = self.k
+        if req.params.max_tokens is not None:
+            k = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
+        k = min(k, self.max_model_len - req.num_tokens)
+        if k <= 0:
+            return 0
+        t = req.num_computed_tokens - 1  # the last valid position; draft pass j writes position t+j-1
+        if not self.manager.allocate(req.request_id, t + k):
+            have = len(self.manager.block_tables[req.request_id]) * self.manager.block_size
+            k = min(k, have - t)
+        return max(k, 0)
+
+    def _sample_drafts(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """One draft token per request from the MTP logits, processed with the request's own parameters
+        (so drafts resemble the target); sampled drafts keep the distribution they were drawn from."""
+        states = [_state_at(r.sampling, r.spec_token_ids) for r in reqs]
+        processed = self.sampler.process_logits(logits, states)
+        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+        random = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if greedy:
+            for i, t in zip(greedy, processed[greedy].argmax(dim=-1).tolist(), strict=True):
+                reqs[i].spec_token_ids.append(t)
+                reqs[i].spec_draft_probs.append(None)
+        if random:
+            sub = [states[i] for i in random]
+            probs = self.sampler.filtered_probs(processed[random], sub)
+            drawn = _sample(probs, [s.generator for s in sub]).tolist()
+            for r, i in enumerate(random):
+                reqs[i].spec_token_ids.append(drawn[r])
+                reqs[i].spec_draft_probs.append(probs[r])

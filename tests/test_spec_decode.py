@@ -1,0 +1,298 @@
+"""MTP speculative decoding: greedy output identical to plain decoding for k = 1..4 (mixed with sampled
+requests, chunked prefill, stop conditions inside an accepted run), sampled output distributed exactly as
+the target (chi-square against the exact marginals), the MTP cache consistent with a from-scratch MTP
+computation, no cache leaks, and clear errors for bad configs and checkpoints without an MTP head."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.assets import DEMO_DIR
+from deltaserve.cli import build_parser
+from deltaserve.engine.config import EngineConfigError
+from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.engine.sampler import SequenceSamplingState
+from deltaserve.engine.scheduler import VERIFY
+from deltaserve.model.context import ForwardContext
+from deltaserve.model.loader import CheckpointError
+from tests.checkpoints import RATIOS_27B, random_hf_model, random_mtp_tensors, save_official_layout
+
+V = RATIOS_27B["vocab_size"]
+
+
+def spec(k: int) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # see test_engine_batching: threads only contend on tiny models
+    yield
+    torch.set_num_threads(before)
+
+
+def _agreeing_checkpoint(path: Path, damp: float) -> Path:
+    """A random checkpoint whose MTP head tends to agree with the trunk, so both acceptance and rejection
+    happen: large embeddings and mixer/MLP outputs scaled by `damp` make the trunk close to a bigram model
+    of the current token, and the MTP head (fc passes the embedding through, its norm equals the trunk's
+    final norm) predicts that same bigram of the token it is fed. A random MTP head is almost never right;
+    damp 0.3 agrees often, 1.0 about half the time."""
+    hf = random_hf_model(RATIOS_27B, seed=3)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(12.0)
+        for name, p in hf.named_parameters():
+            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+                p.mul_(damp)
+    mtp = random_mtp_tensors(RATIOS_27B, seed=4)
+    H = RATIOS_27B["hidden_size"]
+    mtp["mtp.fc.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1)
+    mtp["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(H)
+    mtp["mtp.norm.weight"] = hf.model.norm.weight.detach().clone()
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        mtp[f"mtp.layers.0.{name}"] = mtp[f"mtp.layers.0.{name}"] * damp
+    return save_official_layout(hf, path, mtp)
+
+
+@pytest.fixture(scope="module")
+def agreeable(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _agreeing_checkpoint(tmp_path_factory.mktemp("agree"), damp=0.3)
+
+
+@pytest.fixture(scope="module")
+def half_agreeable(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _agreeing_checkpoint(tmp_path_factory.mktemp("half"), damp=1.0)
+
+
+def _prompts(n: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 2, 17, 63, 65, 130] + torch.randint(3, 60, (n - 6,), generator=g).tolist()
+    return [{"prompt_token_ids": torch.randint(2, V, (k,), generator=g).tolist()} for k in lengths]
+
+
+def _all_free(engine: LLMEngine) -> None:
+    u = engine.cache.usage()
+    assert (u.used_blocks, u.used_slots) == (0, 0), f"leaked {u.used_blocks} blocks, {u.used_slots} slots"
+    assert not engine.cache.block_tables and not engine.cache.state_slots
+
+
+@pytest.fixture(scope="module")
+def greedy_case(agreeable: Path) -> tuple[list[dict], list[SamplingParams], list[list[int]], list]:
+    """Prompts, per-prompt params (greedy, some with stop tokens / short max_tokens / logprobs, and sampled
+    ones mixed in) and the plain engine's outputs."""
+    prompts = _prompts(12)
+    params = []
+    for i in range(len(prompts)):
+        if i % 4 == 3:
+            params.append(SamplingParams(temperature=0.8, seed=i, max_tokens=20, ignore_eos=True))
+        else:
+            params.append(SamplingParams(temperature=0.0, max_tokens=[24, 7, 3][i % 3], ignore_eos=True,
+                                         logprobs=2 if i % 5 == 0 else None))
+    plain = LLM(model=str(agreeable), max_model_len=256, max_num_batched_tokens=24, max_num_seqs=16)
+    outs = plain.generate(prompts, params, use_tqdm=False)
+    # A stop token from the middle of one output: speculation must stop at the same place.
+    ids = outs[0].outputs[0].token_ids
+    params[0] = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[ids[10]], logprobs=2)
+    outs[0] = plain.generate(prompts[0], params[0], use_tqdm=False)[0]
+    assert outs[0].outputs[0].finish_reason == "stop"
+    return prompts, params, [o.outputs[0].token_ids for o in outs], outs
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_speculation_is_token_for_token_plain_greedy(agreeable: Path, greedy_case, k: int) -> None:
+    prompts, params, want, plain_outs = greedy_case
+    llm = LLM(model=str(agreeable), max_model_len=256, max_num_batched_tokens=24, max_num_seqs=16,
+              speculative_config=spec(k))
+    kinds: list[set[str]] = []
+    llm.engine.step_listeners.append(lambda s: kinds.append({kind for _, _, kind in s.summary()}))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for i, (p, o) in enumerate(zip(params, outs, strict=True)):
+        if p.greedy:
+            assert o.outputs[0].token_ids == want[i], f"prompt {i} (k={k}) differs from plain greedy"
+            assert o.outputs[0].finish_reason == plain_outs[i].outputs[0].finish_reason
+            if p.logprobs is not None:
+                for a, b in zip(o.outputs[0].logprobs, plain_outs[i].outputs[0].logprobs, strict=True):
+                    assert a.keys() == b.keys()
+                    assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+        else:
+            assert len(o.outputs[0].token_ids) == p.max_tokens
+    stats = llm.engine.stats().spec
+    assert stats is not None and len(stats.accepted_per_position) == k
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, "both acceptance and rejection"
+    assert sum(o.spec.num_drafts for o in outs) == stats.num_drafts
+    assert any(VERIFY in ks and len(ks) > 1 for ks in kinds), "no verify shared a step with other work"
+    _all_free(llm.engine)
+
+
+def _target_probs(model, sampler, prefixes: list[list[int]], prompt: list[int], params) -> torch.Tensor:
+    """The exact distribution plain sampling draws the next token from, after each output prefix."""
+    ids = torch.tensor([prompt + p for p in prefixes])
+    L = ids.shape[1]
+    with torch.no_grad():
+        h = model(ids.flatten(), ForwardContext.stateless([L] * len(prefixes)))
+        logits = model.compute_logits(h, torch.arange(len(prefixes)) * L + L - 1)
+    states = [SequenceSamplingState(params, None, prompt, list(p)) for p in prefixes]
+    return sampler.filtered_probs(sampler.process_logits(logits, states), states).double()
+
+
+def _chi_square_ok(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """Pearson's statistic (bins with expected count < 5 merged) and the 0.999 quantile of its chi-square
+    distribution (Wilson-Hilferty), so a correct sampler fails one seed in a thousand."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    z = 3.09
+    return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampled_speculation_follows_the_target_distribution(half_agreeable: Path) -> None:
+    """Tokens 2 and 3 of many seeded requests (drafted, accepted or rejected, resampled) against their
+    exact marginals computed from the target with the same processing (temperature, top-k, penalties).
+    A draft head that agrees about half the time makes both the acceptance test and the residual
+    distribution matter (sampling the correction from p instead of max(p - q, 0) fails this test)."""
+    N = 1000
+    prompt = [5, 9, 17, 33]
+    llm = LLM(model=str(half_agreeable), max_model_len=64, max_num_seqs=256, speculative_config=spec(2))
+    params = [
+        SamplingParams(temperature=1.0, top_k=8, presence_penalty=0.4, max_tokens=3, ignore_eos=True, seed=s)
+        for s in range(N)
+    ]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * N, params, use_tqdm=False)
+    toks = torch.tensor([o.outputs[0].token_ids for o in outs])  # [N, 3]
+    stats = llm.engine.stats().spec
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    _all_free(llm.engine)
+
+    model, sampler, p = llm.engine.model, llm.engine.runner.sampler, params[0]
+    p1 = _target_probs(model, sampler, [[]], prompt, p)[0]  # [V]
+    first = p1.nonzero().flatten().tolist()
+    p2 = _target_probs(model, sampler, [[a] for a in first], prompt, p)  # [A, V]
+    marg2 = (p1[first, None] * p2).sum(0)
+    pairs = [(a, b) for i, a in enumerate(first) for b in p2[i].nonzero().flatten().tolist()]
+    weight = torch.tensor([p1[a] * p2[first.index(a), b] for a, b in pairs], dtype=torch.float64)
+    p3 = _target_probs(model, sampler, [list(ab) for ab in pairs], prompt, p)
+    marg3 = (weight[:, None] * p3).sum(0)
+    for pos, marg in ((1, marg2), (2, marg3)):
+        counts = torch.bincount(toks[:, pos], minlength=V).double()
+        stat, limit = _chi_square_ok(counts, marg)
+        assert stat < limit, f"token {pos + 1}: chi-square {stat:.1f} >= {limit:.1f}"
+
+
+@pytest.mark.parametrize("damp", [0.3, 1.0])
+def test_mtp_cache_gives_the_from_scratch_drafts(tmp_path: Path, damp: float) -> None:
+    """After several verify steps (accepts and rejects), the next drafts' distributions equal an MTP
+    computation over the whole sequence with no cache: entries 0..t from trunk hiddens and real tokens,
+    then the chain of draft entries fed their own hidden and token."""
+    path = _agreeing_checkpoint(tmp_path, damp)
+    llm = LLM(model=str(path), max_model_len=256, max_num_batched_tokens=32, speculative_config=spec(3))
+    engine = llm.engine
+    prompts = _prompts(8, seed=2)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True))
+    for _ in range(20):
+        engine.step()
+    model = engine.model
+    checked = 0
+    for req in engine.requests.values():
+        if len(req.spec_token_ids) < 3:
+            continue
+        ids = torch.tensor(req.prompt_token_ids + req.output_token_ids)
+        T = len(ids)
+        with torch.no_grad():
+            h = model(ids, ForwardContext.stateless([T]))
+            hidden, tokens = h[: T - 1], ids[1:]
+            for j, (draft, q) in enumerate(zip(req.spec_token_ids, req.spec_draft_probs, strict=True)):
+                m = model.mtp_hidden(tokens, hidden, ForwardContext.stateless([len(tokens)]))
+                want = torch.softmax(model.compute_logits(m[-1:])[0], dim=-1)
+                assert (want - q).abs().max() < 1e-4, f"draft {j + 1} of request {req.request_id}"
+                hidden = torch.cat([hidden, m[-1:]])
+                tokens = torch.cat([tokens, torch.tensor([draft])])
+        checked += 1
+    assert checked >= 3
+    assert 0 < engine.stats().spec.num_accepted_tokens
+
+
+def test_no_leaks_after_abort_preemption_and_finish(agreeable: Path) -> None:
+    prompts = _prompts(10, seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 5 + [
+        SamplingParams(temperature=0.8, seed=s, max_tokens=24, ignore_eos=True) for s in range(5)
+    ]
+    roomy = LLM(model=str(agreeable), max_model_len=160, max_num_batched_tokens=48, max_num_seqs=8)
+    want = roomy.generate(prompts, params, use_tqdm=False)
+    tight = LLM(model=str(agreeable), max_model_len=160, max_num_batched_tokens=48, max_num_seqs=8,
+                num_kv_blocks=11, speculative_config=spec(3))
+    got = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    for w, g, p in zip(want, got, params, strict=True):
+        if p.greedy:
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert len(g.outputs[0].token_ids) == 24
+    _all_free(tight.engine)
+
+    engine = tight.engine
+    for i, p in enumerate(prompts[:6]):
+        engine.add_request(f"a{i}", p, params[i])
+    for _ in range(6):
+        engine.step()
+    assert any(r.spec_token_ids for r in engine.requests.values()), "abort while drafts are pending"
+    engine.abort_request([f"a{i}" for i in range(0, 6, 2)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    _all_free(engine)
+
+
+def test_checkpoint_without_mtp_is_a_clear_error(tmp_path: Path) -> None:
+    save_official_layout(random_hf_model(RATIOS_27B, seed=6), tmp_path)
+    with pytest.raises(CheckpointError, match="no mtp"):
+        LLM(model=str(tmp_path), speculative_config=spec(2))
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"method": "ngram", "num_speculative_tokens": 2}, "speculative_config.method 'ngram'"),
+        ({"method": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+        ({"method": "mtp", "num_speculative_tokens": "2"}, "num_speculative_tokens"),
+        ({"method": "mtp"}, "num_speculative_tokens"),
+        ({"method": "mtp", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown keys"),
+        ("mtp", "must be a dict"),
+    ],
+)
+def test_bad_speculative_config_names_the_field(config, match: str) -> None:
+    from deltaserve.engine.config import EngineConfig
+
+    with pytest.raises(EngineConfigError, match=match):
+        EngineConfig(speculative_config=config)
+
+
+def test_cli_speculative_config_flag(capsys) -> None:
+    args = build_parser().parse_args(
+        ["generate", "--prompt", "x", "--speculative-config", '{"method":"mtp","num_speculative_tokens":3}']
+    )
+    assert args.speculative_config == spec(3)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "x", "--speculative-config", "{method: mtp}"])
+    assert "not valid JSON" in capsys.readouterr().err
+    assert isinstance(args, argparse.Namespace)
+
+
+@pytest.mark.skipif(not (DEMO_DIR / "model.safetensors").exists(), reason="demo checkpoint not built yet")
+def test_demo_checkpoint_greedy_speculation_accepts_and_matches() -> None:
+    prompts = ["The capital of France is", "Once upon a time", "1, 2, 3, 4, 5,", "今天天气"]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(max_model_len=256).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(max_model_len=256, speculative_config=spec(3))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert llm.engine.stats().spec.acceptance_rate > 0.2
