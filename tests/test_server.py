@@ -87,6 +87,7 @@ def wait_idle(server: ServerProcess, timeout: float = 20.0) -> dict[str, float]:
 # ---- basics -------------------------------------------------------------------------------------------
 def test_health_and_models(server: ServerProcess, client: openai.OpenAI) -> None:
     assert httpx.get(f"{server.url}/health").status_code == 200  # open without a key
+    assert metrics(server)["deltaserve:kv_cache_total_blocks"] > 0  # known before any request
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
 

@@ -83,6 +83,7 @@ class AsyncEngine:
         self._wake = threading.Condition()
         self._streams: dict[str, _Stream] = {}  # touched only on the engine thread
         self._stopping = False
+        self._poked = False  # run one iteration (listeners) even with nothing to do
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
         # Called on the engine thread: after each loop iteration (metrics gauges read engine.stats()),
@@ -145,6 +146,13 @@ class AsyncEngine:
         """Stop a request and free its cache; safe from any thread, for unknown or finished ids too."""
         self._send(_Abort(request_id))
 
+    def refresh(self) -> None:
+        """Have the engine thread run its iteration listeners soon, even when idle (a new listener
+        wants its first reading)."""
+        with self._wake:
+            self._poked = True
+            self._wake.notify()
+
     def _send(self, cmd: _Add | _Abort) -> None:
         with self._wake:
             self._inbox.append(cmd)
@@ -155,10 +163,11 @@ class AsyncEngine:
         try:
             while True:
                 with self._wake:
-                    while (
-                        not self._inbox and not self._stopping and not self.engine.has_unfinished_requests()
+                    while not (
+                        self._inbox or self._stopping or self._poked or self.engine.has_unfinished_requests()
                     ):
                         self._wake.wait()
+                    self._poked = False
                     if self._stopping:
                         break
                     commands = list(self._inbox)

@@ -115,6 +115,7 @@ class ServerMetrics:
     def attach(self, engine: AsyncEngine) -> None:
         engine.iteration_listeners.append(self.on_iteration)
         engine.output_listeners.append(self.on_output)
+        engine.refresh()  # cache sizes show from the start, not from the first request
 
     # Both run on the engine thread.
     def on_iteration(self, engine: LLMEngine) -> None:
