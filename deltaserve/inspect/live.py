@@ -28,17 +28,17 @@ class _Watcher:
 
 
 def spec_view(engine: Any, stats: Any) -> dict[str, Any]:
-    """Speculative-decoding counters when the engine has them (draft / accept fields), else not enabled."""
-    fields = {k: getattr(stats, k) for k in getattr(stats, "__slots__", ())
-              if ("draft" in k or "accept" in k) and isinstance(getattr(stats, k), int | float)}
+    """MTP speculative-decoding counters (EngineStats.spec, vLLM's names) when speculation is on."""
+    spec = getattr(stats, "spec", None)
     config = getattr(engine.config, "speculative_config", None)
-    if not fields and not config:
+    if spec is None and not config:
         return {"enabled": False}
-    out: dict[str, Any] = {"enabled": True, "config": config, **fields}
-    drafts = fields.get("num_draft_tokens")
-    accepted = fields.get("num_accepted_tokens")
-    if drafts and accepted is not None:
-        out["acceptance_rate"] = accepted / drafts
+    out: dict[str, Any] = {"enabled": True, "config": config}
+    if spec is not None:
+        out.update(num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
+                   num_accepted_tokens=spec.num_accepted_tokens,
+                   accepted_per_position=list(spec.accepted_per_position),
+                   acceptance_rate=spec.acceptance_rate, mean_acceptance_length=spec.mean_acceptance_length)
     return out
 
 
@@ -49,9 +49,7 @@ def snapshot(engine: Any, sched: Any) -> dict[str, Any]:
     stats = engine.stats()
     scheduled = []
     for s in sched.scheduled:
-        drafts = getattr(s, "num_draft_tokens", None)
-        if drafts is None:
-            drafts = len(getattr(s, "draft_token_ids", None) or ())
+        drafts = getattr(s, "num_draft_tokens", 0)  # MTP drafts verified in this step (kind "verify")
         scheduled.append({"id": s.request.request_id, "n": s.num_tokens, "kind": s.kind,
                           "context": s.context_len, "drafts": drafts})
     return {

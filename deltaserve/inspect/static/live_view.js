@@ -41,7 +41,7 @@ function budgetBar(ev) {
   const budget = ev.budget;
   return el("div", { class: "bar", id: "budget-bar", title: `${ev.num_tokens} / ${budget}` },
     ev.scheduled.map((s) => el("div", {
-      class: `seg ${s.kind === "decode" ? "decode" : "prefill"}`,
+      class: `seg ${s.kind}`,
       style: `width:${(100 * s.n) / budget}%;background:${idColor(s.id)}`,
       title: `${s.id}: ${s.n} ${s.kind}${s.drafts ? ` (+${s.drafts} drafts)` : ""}, context ${s.context}`,
     }, `${s.id}·${s.n}`)));
@@ -100,11 +100,15 @@ export function render() {
   const spec = (ev || status)?.spec;
   const mtp = el("div", { class: "panel", id: "mtp" }, el("h3", {}, t("mtp_title")),
     !spec || !spec.enabled ? el("p", { class: "muted" }, t("not_enabled"))
-      : el("p", {}, `${t("acceptance")}: ${spec.acceptance_rate !== undefined ? (spec.acceptance_rate * 100).toFixed(1) + "%" : "—"} · `,
-        JSON.stringify(spec)));
+      : el("p", { id: "mtp-stats" }, `${t("acceptance")}: ${spec.acceptance_rate !== undefined ? (spec.acceptance_rate * 100).toFixed(1) + "%" : "—"}`,
+        ` · mean acceptance length ${spec.mean_acceptance_length?.toFixed(2) ?? "—"} · drafts ${spec.num_drafts ?? 0}`,
+        ` · accepted per position [${(spec.accepted_per_position || []).join(", ")}] · ${JSON.stringify(spec.config)}`));
   if (!ev) { out().replaceChildren(head, el("p", { class: "panel muted" }, t("idle")), mtp); return; }
   const counts = { prefill: 0, decode: 0, drafts: 0 };
-  ev.scheduled.forEach((s) => { counts[s.kind === "decode" ? "decode" : "prefill"] += s.n; counts.drafts += s.drafts || 0; });
+  ev.scheduled.forEach((s) => {
+    if (s.kind === "prefill") counts.prefill += s.n;
+    else { counts.decode += s.n - (s.drafts || 0); counts.drafts += s.drafts || 0; } // decode, or verify = 1 + drafts
+  });
   const stepPanel = el("div", { class: "panel", id: "live-step", "data-step": ev.step, "data-running": ev.num_running },
     el("h3", {}, `${t("step")} ${ev.step} · ${ev.num_tokens}/${ev.budget} tokens · ${t("prefill")} ${counts.prefill} · ${t("decode_k")} ${counts.decode} · ${t("drafts")} ${counts.drafts}`),
     budgetBar(ev),
