@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from deltaserve.config import ModelConfig
@@ -195,6 +195,8 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log", type=Path, default=None, help="also write progress lines as JSON here")
+    ap.add_argument("--resume", action="store_true", help="continue training the checkpoint in --out")
+    ap.add_argument("--warmup", type=int, default=100)
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -210,9 +212,18 @@ def main() -> None:
           + ", ".join(f"{n} {len(train.streams[n]) / 1e6:.2f}M" for n in train.names), flush=True)
 
     text_config = demo_text_config(tokenizer.get_vocab_size(), eos_ids)
+    previous = None
+    if args.resume:
+        # Continue from the checkpoint in --out (a fresh optimizer; the schedule restarts at --lr).
+        text_config = json.loads((args.out / "config.json").read_text())["text_config"]
+        previous = json.loads((args.out / "training_summary.json").read_text())
     cfg = ModelConfig.from_dict(text_config)
     model = Qwen3_5ForCausalLM(cfg, with_mtp=True)
     init_weights(model)
+    if args.resume:
+        state = load_file(str(args.out / "model.safetensors"))
+        renamed = {k.replace("model.language_model.", "model.", 1): v.float() for k, v in state.items()}
+        model.load_state_dict(renamed, strict=True)
     n_params = sum(p.numel() for p in model.parameters())
     n_mtp = sum(p.numel() for p in model.mtp.parameters())
     print(f"parameters: {n_params / 1e6:.2f}M (MTP head {n_mtp / 1e6:.2f}M)", flush=True)
@@ -224,7 +235,7 @@ def main() -> None:
         lr=args.lr, betas=(0.9, 0.95),
     )
     budget = args.minutes * 60
-    warmup = 100
+    warmup = args.warmup
     log = args.log.open("w") if args.log else None
     start, step, seen = time.time(), 0, 0
     model.train()
@@ -265,6 +276,13 @@ def main() -> None:
         "length": args.length, "heldout": final,
         "mtp_agreement_mean": sum(v["mtp_agreement"] for v in final.values()) / len(final),
     }
+    if previous is not None:
+        summary["runs"] = previous.get("runs", [
+            {k: previous[k] for k in ("steps", "tokens_seen", "train_minutes")}
+        ]) + [{"steps": step, "tokens_seen": seen, "train_minutes": summary["train_minutes"], "lr": args.lr}]
+        for key in ("steps", "tokens_seen"):
+            summary[key] += previous[key]
+        summary["train_minutes"] = round(summary["train_minutes"] + previous["train_minutes"], 1)
     print(json.dumps(summary, indent=1), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(model, text_config, args.out, eos_ids)
