@@ -296,3 +296,22 @@ def test_demo_checkpoint_greedy_speculation_accepts_and_matches() -> None:
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert llm.engine.stats().spec.acceptance_rate > 0.2
+
+
+def test_server_metrics_export_the_spec_counters(agreeable: Path) -> None:
+    from deltaserve.serve.metrics import ServerMetrics
+
+    llm = LLM(model=str(agreeable), max_model_len=128, speculative_config=spec(2))
+    metrics = ServerMetrics("m")
+    engine = llm.engine
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=20, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        metrics.on_iteration(engine)
+    text = metrics.render().decode()
+    s = engine.stats().spec
+    name = "deltaserve:spec_decode_num"
+    assert f'{name}_drafts_total{{model_name="m"}} {float(s.num_drafts)}' in text
+    assert f'{name}_accepted_tokens_total{{model_name="m"}} {float(s.num_accepted_tokens)}' in text
+    pos0 = float(s.accepted_per_position[0])
+    assert f'{name}_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {pos0}' in text

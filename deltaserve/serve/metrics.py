@@ -108,6 +108,20 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=r,
         )
+        # Speculative decoding (vLLM's names); exported only while an engine speculates.
+        self._spec = {
+            name: Counter(f"deltaserve:spec_decode_{name}", doc, labels, registry=r).labels(model_name)
+            for name, doc in (
+                ("num_drafts", "Verify steps of speculating sequences."),
+                ("num_draft_tokens", "Draft tokens proposed by the MTP head."),
+                ("num_accepted_tokens", "Draft tokens accepted."),
+            )
+        }
+        self._spec_per_pos = Counter(
+            "deltaserve:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the draft.", ["model_name", "position"], registry=r,
+        )
+        self._spec_seen: dict[str, int] = {}
         self._model_name = model_name
         self._generation_seen = 0
         self._started: set[str] = set()
@@ -133,6 +147,17 @@ class ServerMetrics:
         if s.generation_tokens > self._generation_seen:
             self.generation_tokens.inc(s.generation_tokens - self._generation_seen)
             self._generation_seen = s.generation_tokens
+        if s.spec is not None:
+            values = {name: getattr(s.spec, name) for name in self._spec}
+            values |= {f"pos{i}": n for i, n in enumerate(s.spec.accepted_per_position)}
+            for key, value in values.items():
+                delta = value - self._spec_seen.get(key, 0)
+                if delta > 0:
+                    if key in self._spec:
+                        self._spec[key].inc(delta)
+                    else:
+                        self._spec_per_pos.labels(self._model_name, key[3:]).inc(delta)
+                    self._spec_seen[key] = value
 
     def on_output(self, out: RequestOutput) -> None:
         rid = out.request_id
