@@ -1,0 +1,220 @@
+"""MTP speculative decoding: decode tok/s with and without speculation (not a test; timing decides nothing).
+
+    .venv/bin/python benchmarks/bench_spec.py [--model DIR] [--threads 1] [--tokens 128] [--no-write]
+
+For k = 0 (plain), 1..4 and batch 1 and 8: greedy, ignore_eos, `--tokens` new tokens per request from short
+prompts. Decode tok/s counts the tokens after the first one of every request, over the time from the step
+in which the last request got its first token to the end (prefill excluded). Then one speculative step at
+batch 1 with the best k is profiled: trunk verify forward, MTP draft passes, verification (target logits,
+acceptance, GDN state commit) and the rest (scheduling, context building, detokenizing, Python).
+Default model: the embedded demo checkpoint. The table goes into docs/benchmarks.md under
+"MTP speculative decoding" (that section is replaced, others are kept)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from deltaserve import LLM, SamplingParams  # noqa: E402
+from deltaserve.assets import DEMO_DIR  # noqa: E402
+
+SECTION = "## MTP speculative decoding"
+PROMPTS = [
+    "The history of the city begins",
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a bicycle stays upright.",
+    "请用三句话介绍一下长城。",
+    "def fibonacci(n):",
+    "The three most important ideas in economics are",
+    "今天我们来讨论一下",
+    "Once upon a time, in a small village by the sea,",
+]
+
+
+@dataclass(slots=True)
+class Row:
+    batch: int
+    k: int
+    tok_s: float
+    acceptance: float | None
+    mean_len: float | None
+
+
+def run(model: str | None, k: int, batch: int, tokens: int) -> tuple[Row, LLM]:
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    llm = LLM(model=model, max_model_len=512, max_num_seqs=max(batch, 8), speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(PROMPTS[:batch], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm up
+    engine = llm.engine
+    before = engine.stats().spec
+    prompts = (PROMPTS * (batch // len(PROMPTS) + 1))[:batch]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", p, params)
+    started: float | None = None
+    done = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        if started is None and all(r.output_token_ids for r in engine.requests.values()):
+            started = time.perf_counter()
+            done = sum(len(r.output_token_ids) for r in engine.requests.values())
+    elapsed = time.perf_counter() - started
+    tok_s = (batch * tokens - done) / elapsed
+    s = engine.stats().spec
+    if s is None:
+        return Row(batch, k, tok_s, None, None), llm
+    drafts = s.num_drafts - before.num_drafts
+    accepted = s.num_accepted_tokens - before.num_accepted_tokens
+    drafted = s.num_draft_tokens - before.num_draft_tokens
+    return Row(batch, k, tok_s, accepted / max(drafted, 1), 1 + accepted / max(drafts, 1)), llm
+
+
+def profile(llm: LLM, tokens: int, steps: int = 40) -> dict[str, float]:
+    """Mean seconds per step in each phase, over `steps` speculative decode steps at batch 1."""
+    engine = llm.engine
+    runner = engine.runner
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(name: str, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name] += time.perf_counter() - t
+        return wrapper
+
+    model = runner.model
+    model.forward = timed("trunk verify forward", model.forward)
+    model.mtp_hidden = timed("MTP layer passes", model.mtp_hidden)
+    runner.spec.verify = timed("verify: target logits, acceptance, state commit", runner.spec.verify)
+    runner.propose = timed("MTP drafting total", runner.propose)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    engine.add_request("profile", PROMPTS[0], params)
+    for _ in range(3):  # prefill and the first drafts
+        engine.step()
+    spent.clear()
+    t0 = time.perf_counter()
+    n = 0
+    while engine.has_unfinished_requests() and n < steps:
+        engine.step()
+        n += 1
+    total = time.perf_counter() - t0
+    for r in list(engine.requests):
+        engine.abort_request(r)
+    out = {k: v / n for k, v in spent.items()}
+    out["step total"] = total / n
+    return out
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    system = f"{platform.system()} {platform.release()}"
+    return f"{cpu}, {system}, Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def render(
+    rows: list[Row], prof: dict[str, float], best_k: int, threads: int, label: str, tokens: int
+) -> str:
+    date = datetime.date.today().isoformat()
+    lines = [
+        SECTION,
+        "",
+        f"Run {date} on {machine()}; `torch.set_num_threads({threads})`; checkpoint: {label}; fp32; greedy, "
+        f"ignore_eos, {tokens} new tokens per request, decode tok/s after every request's first token. "
+        "Produced by `benchmarks/bench_spec.py`.",
+        "",
+        "| batch | k | decode tok/s | speed-up | acceptance rate | mean acceptance length |",
+        "|---|---|---|---|---|---|",
+    ]
+    base = {r.batch: r.tok_s for r in rows if r.k == 0}
+    for r in rows:
+        acc = "-" if r.acceptance is None else f"{r.acceptance:.2f}"
+        mlen = "-" if r.mean_len is None else f"{r.mean_len:.2f}"
+        speedup = r.tok_s / base[r.batch]
+        lines.append(f"| {r.batch} | {r.k or 'off'} | {r.tok_s:.1f} | {speedup:.2f}x | {acc} | {mlen} |")
+    step = prof.pop("step total")
+    trunk = prof.get("trunk verify forward", 0.0)
+    draft = prof.get("MTP drafting total", 0.0)
+    mtp = prof.get("MTP layer passes", 0.0)
+    verify = prof.get("verify: target logits, acceptance, state commit", 0.0)
+    rest = step - trunk - draft - verify
+    lines += [
+        "",
+        f"Where one speculative step goes (batch 1, k = {best_k}, mean of 40 steps, "
+        f"{step * 1e3:.1f} ms a step):",
+        "",
+        "| phase | ms | share |",
+        "|---|---|---|",
+        f"| trunk verify forward (1+k tokens) | {trunk * 1e3:.2f} | {trunk / step:.0%} |",
+        f"| MTP drafting (k passes; of which MTP layer {mtp * 1e3:.2f} ms, rest lm_head + draft sampling) "
+        f"| {draft * 1e3:.2f} | {draft / step:.0%} |",
+        f"| verification (target logits, acceptance, GDN state commit) | {verify * 1e3:.2f} "
+        f"| {verify / step:.0%} |",
+        f"| scheduling, context building, detokenizing, Python | {rest * 1e3:.2f} | {rest / step:.0%} |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_section(text: str, path: Path = ROOT / "docs" / "benchmarks.md") -> None:
+    """Replace the SECTION (up to the next '## ' heading) or append it; other sections stay."""
+    old = path.read_text() if path.exists() else "# Benchmarks\n"
+    lines = old.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.strip() == SECTION), None)
+    if start is None:
+        new = old.rstrip("\n") + "\n\n" + text
+    else:
+        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
+        new = "".join(lines[:start]) + text + ("\n" + "".join(lines[end:]) if end < len(lines) else "")
+    path.write_text(new)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="checkpoint directory with an MTP head (default: demo)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--max-k", type=int, default=4)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.model is None and not (DEMO_DIR / "model.safetensors").exists():
+        sys.exit("the demo checkpoint is not built yet; pass --model DIR (a checkpoint with mtp.* tensors)")
+    rows: list[Row] = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for k in range(args.max_k + 1):
+            row, _ = run(args.model, k, batch, args.tokens)
+            rows.append(row)
+            print(row, flush=True)
+    b1 = [r for r in rows if r.batch == 1 and r.k] or [r for r in rows if r.k]
+    best_k = max(b1, key=lambda r: r.tok_s).k
+    _, llm = run(args.model, best_k, 1, 8)
+    prof = profile(llm, args.tokens)
+    label = "embedded demo" if args.model is None else Path(args.model).name
+    text = render(rows, prof, best_k, args.threads, label, args.tokens)
+    print(text)
+    if not args.no_write:
+        write_section(text)
+
+
+if __name__ == "__main__":
+    main()
