@@ -137,6 +137,19 @@ def test_completion_prompt_forms_n_and_logprobs(client: openai.OpenAI) -> None:
     assert many.choices[0].text == ids.choices[0].text and many.usage.prompt_tokens == 5
 
 
+def test_chat_n2_streams_both_choices(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, messages=USER, max_tokens=6, n=2, seed=7, temperature=1.0)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    for i in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason is not None
+        content = "".join(d.delta.content or "" for d in mine)
+        reasoning = "".join(getattr(d.delta, "reasoning_content", None) or "" for d in mine)
+        msg = full.choices[i].message
+        assert (content, reasoning) == (msg.content or "", getattr(msg, "reasoning_content", None) or "")
+
+
 def test_chat_logprobs_in_openai_format(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model=MODEL,
@@ -238,9 +251,10 @@ def test_disconnected_clients_free_their_cache(server: ServerProcess) -> None:
                 lines = r.iter_lines()
                 next(line for line in lines if line.startswith("data:"))
                 next(line for line in lines if line.startswith("data:"))
-        # ...and a non-streaming one that gives up waiting
+        # ...and a non-streaming one that gives up waiting (0.1 s: the server polls every 0.1 s, and its
+        # 240 tokens take far longer, so it is aborted rather than finished)
         with pytest.raises(httpx.TimeoutException):
-            http.post("/v1/completions", json=dict(body, stream=False, max_tokens=240), timeout=0.3)
+            http.post("/v1/completions", json=dict(body, stream=False, max_tokens=240), timeout=0.1)
     m = wait_idle(server)
     assert m["deltaserve:num_requests_running"] == 0 and m["deltaserve:num_requests_waiting"] == 0
     assert m["deltaserve:kv_cache_used_blocks"] == 0 and m["deltaserve:gdn_state_used_slots"] == 0

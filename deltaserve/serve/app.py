@@ -27,7 +27,7 @@ from deltaserve.serve.serving_completion import completion_response, completion_
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_DISCONNECT_POLL_S = 0.25
+_DISCONNECT_POLL_S = 0.1
 
 
 class ClientGone(Exception):
