@@ -128,6 +128,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the server process")
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--note", default="", help="a sentence appended to the run description")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
 
@@ -162,11 +163,12 @@ def main() -> int:
     head = (
         f"Run {datetime.date.today().isoformat()} on {platform.processor() or platform.machine()}, "
         f"Python {platform.python_version()}, torch {torch.__version__} ({os.cpu_count()} CPUs visible, "
-        f"server with {args.threads} torch threads); {label}, fp32, over HTTP on loopback. Each request: a "
+        f"server with torch threads = {args.threads}); {label}, fp32, over HTTP on loopback. Each request: a "
         f"{args.input_len}-word prompt, {args.output_len} generated tokens (greedy, ignore_eos), streamed "
         "via /v1/completions; all requests queued at once, at most `concurrency` in flight. TTFT: request "
         "sent to first text chunk; TPOT: (latency - TTFT) / (tokens - 1); ITL: gaps between chunks. "
         "Produced by `benchmarks/bench_serve.py` (the same client as `deltaserve bench serve`)."
+        + (f" {args.note}" if args.note else "")
     )
     lines = [head, "", "Latency cells: mean / p50 / p90 / p99.", "", *table(rows)]
     print("\n".join(lines))
