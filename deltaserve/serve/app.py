@@ -208,6 +208,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         detail = e.detail if isinstance(e.detail, str) else status_phrase(e.status_code)
         return error_response(e.status_code, detail)
 
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(e))
+
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, e: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
