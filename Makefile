@@ -17,6 +17,7 @@ run: $(STAMP)
 	$(BIN)/deltaserve serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
+	$(BIN)/ruff check deltaserve tests scripts benchmarks
 	$(BIN)/python -m pytest -q
 
 test-all: $(STAMP)

@@ -7,7 +7,6 @@ fresh samples generated with deltaserve itself.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 

@@ -57,13 +57,10 @@ class GatedAttention(nn.Module):
                 return out.transpose(1, 2).reshape(q.shape)
             outs = []
             for b in range(ctx.num_seqs):
-                s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]
-                view = lambda t: t[s:e].transpose(0, 1)[None]  # noqa: E731  (4-D: the fused kernel)
-                outs.append(
-                    F.scaled_dot_product_attention(
-                        view(q), view(k), view(v), is_causal=True, scale=self.scale, enable_gqa=True
-                    )[0].transpose(0, 1)
-                )
+                rows = slice(ctx.query_start_loc[b], ctx.query_start_loc[b + 1])
+                qs, ks, vs = (t[rows].transpose(0, 1)[None] for t in (q, k, v))  # 4-D: the fused kernel
+                out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
+                outs.append(out[0].transpose(0, 1))
             return torch.cat(outs)
 
         k_cache, v_cache = ctx.cache.kv[self.layer_id]

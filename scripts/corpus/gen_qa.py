@@ -9,8 +9,20 @@ assistant turn carries the reasoning (thinking on) or an empty think block
 from __future__ import annotations
 
 from . import chat
-from .facts import (ANIMALS, COLOURS, COUNTRIES, DAYS_EN, DAYS_ZH, DEFINITIONS, MONTH_DAYS,
-                    MONTHS_EN, MONTHS_ZH, OPPOSITES, SEASONS, UNITS)
+from .facts import (
+    ANIMALS,
+    COLOURS,
+    COUNTRIES,
+    DAYS_EN,
+    DAYS_ZH,
+    DEFINITIONS,
+    MONTH_DAYS,
+    MONTHS_EN,
+    MONTHS_ZH,
+    OPPOSITES,
+    SEASONS,
+    UNITS,
+)
 
 SYSTEM_EN = ["You are a helpful assistant.", "You are a friendly assistant. Answer clearly and briefly.",
              "You are a patient tutor who explains things simply.", "You are a kind and careful assistant.",
@@ -352,7 +364,7 @@ def make_chat(r, lang, extra_items=None, p_think=0.6):
     items = (EN_ITEMS if lang == "en" else ZH_ITEMS) + (extra_items or [])
     n = r.choices([1, 2, 3], weights=[6, 3, 1])[0]
     turns, think = [], None
-    for i in range(n):
+    for _ in range(n):
         q, th, a = pick(r, items)
         turns.append((q, a))
         think = th

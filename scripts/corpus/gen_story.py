@@ -72,8 +72,8 @@ def story_en(r, hero=None, obj=None):
               _c(r, f"{name} looked under the bushes, behind the trees and near {place2}.",
                  f"{name} searched everywhere, from {place} all the way to {place2}."),
               _c(r, f"Then {friend}, {fdesc}, came along and asked what was wrong.", f"Soon {friend}, {fdesc}, saw {name} and offered to help."),
-              _c(r, f"Together they followed the path back, step by step.", f"They walked slowly and looked carefully."),
-              _c(r, f"At last {friend} shouted, \"I found it!\"", f"Finally, they found it lying in the grass."),
+              _c(r, "Together they followed the path back, step by step.", "They walked slowly and looked carefully."),
+              _c(r, f"At last {friend} shouted, \"I found it!\"", "Finally, they found it lying in the grass."),
               f"{name} was so {good} and thanked {friend} again and again."]
     elif plot == 1:  # learning a skill
         skill = r.choice(["ride a bicycle", "swim", "bake bread", "fly a kite", "read a big book", "play the drum",
@@ -109,7 +109,7 @@ def story_en(r, hero=None, obj=None):
         s += [_c(r, f"{name} and {friend} decided to visit {place2}.", f"{name} asked {friend}, {fdesc}, to come and see {place2}."),
               _c(r, f"They packed {obj} and some bread.", f"{name} took {obj}, just in case."),
               _c(r, "The road was long and the sun was hot.", "They crossed a bridge and climbed a small hill."),
-              _c(r, f"On the way they met an old turtle who told them a shortcut.", f"Halfway there, {friend} got tired, so they rested under a tree."),
+              _c(r, "On the way they met an old turtle who told them a shortcut.", f"Halfway there, {friend} got tired, so they rested under a tree."),
               _c(r, f"When they arrived, {place2} was even more beautiful than {name} had imagined.",
                  f"At {place2}, they saw birds, flowers and a little waterfall."),
               f"They stayed until sunset and then went home, tired but {good}."]
@@ -151,7 +151,7 @@ def story_zh(r, hero=None, obj=None):
     plot = r.randrange(6)
     if plot == 0:
         s += [_c(r, f"{name}总是随身带着{obj}。", f"{name}有{obj}，非常喜欢它。"),
-              _c(r, f"可是在路上，{name}不小心把它弄丢了。", f"可是低头一看，东西不见了！"),
+              _c(r, f"可是在路上，{name}不小心把它弄丢了。", "可是低头一看，东西不见了！"),
               f"{name}心里很{bad}。",
               _c(r, f"{name}在草丛里找，在树后面找，一直找到{place2}。", f"{name}从{place}一路找到{place2}，到处都找遍了。"),
               _c(r, f"这时，{fdesc}{friend}走过来，问{name}怎么了。", f"不久，{friend}看见了{name}，说要帮忙。"),
