@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +24,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from report import machine, write_section  # noqa: E402
 
 from deltaserve import LLM, SamplingParams  # noqa: E402
 from deltaserve.assets import DEMO_DIR  # noqa: E402
@@ -165,17 +165,6 @@ def bench(name: str, path: Path, n_requests: int) -> list[Row]:
     return rows
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                cpu = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    system = f"{platform.system()} {platform.release()}"
-    return f"{cpu}, {system}, Python {platform.python_version()}, torch {torch.__version__}"
 
 
 def table(rows: list[Row], n_cpus: int) -> str:
@@ -184,7 +173,7 @@ def table(rows: list[Row], n_cpus: int) -> str:
     lines = [
         SECTION,
         "",
-        f"Run {datetime.date.today().isoformat()} on {machine()} ({n_cpus} CPUs visible); "
+        f"Run {datetime.date.today().isoformat()} on {machine()}; "
         f"`torch.set_num_threads(1)` for both engines; transformers {transformers.__version__} "
         "(its pure-torch GDN fallbacks); fp32; greedy, ignore_eos. Produced by `benchmarks/bench_engine.py`.",
         "",
@@ -202,18 +191,6 @@ def table(rows: list[Row], n_cpus: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(text: str, path: Path = ROOT / "docs" / "benchmarks.md") -> None:
-    """Replace the SECTION (up to the next '## ' heading) or append it; other sections stay."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.strip() == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
-        new = "".join(lines[:start]) + text + ("\n" + "".join(lines[end:]) if end < len(lines) else "")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new)
 
 
 def main() -> None:
@@ -239,7 +216,7 @@ def main() -> None:
     text = table(rows, n_cpus)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section(SECTION, text)
 
 
 if __name__ == "__main__":

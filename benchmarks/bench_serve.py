@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import datetime
 import os
-import platform
 import shutil
 import socket
 import subprocess
@@ -28,6 +27,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from report import machine, write_section  # noqa: E402
 
 from deltaserve.serve.bench import BenchResult, format_report, run_bench  # noqa: E402
 
@@ -103,16 +104,6 @@ def table(rows: list[BenchResult]) -> list[str]:
     return out
 
 
-def write_section(lines: list[str]) -> None:
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    start = text.find(SECTION)
-    block = "\n".join([SECTION, "", *lines]) + "\n"
-    if start == -1:
-        text = text.rstrip("\n") + "\n\n" + block
-    else:
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + block + ("" if nxt == -1 else "\n" + text[nxt + 1 :])
-    DOC.write_text(text)
 
 
 def main() -> int:
@@ -158,12 +149,9 @@ def main() -> int:
             proc.wait(30)
         shutil.rmtree(tmp, ignore_errors=True)
 
-    import torch
-
     head = (
-        f"Run {datetime.date.today().isoformat()} on {platform.processor() or platform.machine()}, "
-        f"Python {platform.python_version()}, torch {torch.__version__} ({os.cpu_count()} CPUs visible, "
-        f"server with torch threads = {args.threads}); {label}, fp32, over HTTP on loopback. Each request: a "
+        f"Run {datetime.date.today().isoformat()} on {machine()} "
+        f"(server with torch threads = {args.threads}); {label}, fp32, over HTTP on loopback. Each request: a "
         f"{args.input_len}-word prompt, {args.output_len} generated tokens (greedy, ignore_eos), streamed "
         "via /v1/completions; all requests queued at once, at most `concurrency` in flight. TTFT: request "
         "sent to first text chunk; TPOT: (latency - TTFT) / (tokens - 1); ITL: gaps between chunks. "
@@ -173,7 +161,7 @@ def main() -> int:
     lines = [head, "", "Latency cells: mean / p50 / p90 / p99.", "", *table(rows)]
     print("\n".join(lines))
     if not args.no_write:
-        write_section(lines)
+        write_section(SECTION, "\n".join([SECTION, "", *lines]))
         print(f"wrote {DOC.relative_to(ROOT)}")
     return 0 if all(r.failed == 0 for r in rows) else 1
 

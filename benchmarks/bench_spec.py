@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
 import sys
 import time
 from collections import defaultdict
@@ -27,6 +25,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from report import machine, write_section  # noqa: E402
 
 from deltaserve import LLM, SamplingParams  # noqa: E402
 from deltaserve.assets import DEMO_DIR  # noqa: E402
@@ -134,17 +134,6 @@ def draft_cost_ratio(llm: LLM) -> tuple[float, int, int, int]:
     return (mtp + head) / (trunk + head), trunk, mtp, head
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    system = f"{platform.system()} {platform.release()}"
-    return f"{cpu}, {system}, Python {platform.python_version()}, torch {torch.__version__}"
 
 
 def render(
@@ -152,11 +141,10 @@ def render(
     ratio: tuple[float, int, int, int], repeat: int,
 ) -> str:
     date = datetime.date.today().isoformat()
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())  # other work on the machine skews the timings
     lines = [
         SECTION,
         "",
-        f"Run {date} on {machine()} (load average {load}); `torch.set_num_threads({threads})`; "
+        f"Run {date} on {machine()}; `torch.set_num_threads({threads})`; "
         f"checkpoint: {label}; fp32; greedy, ignore_eos, {tokens} new tokens per request, decode tok/s after "
         f"every request's first token, best of {repeat} rounds. Produced by `benchmarks/bench_spec.py`.",
         "",
@@ -200,17 +188,6 @@ def render(
     return "\n".join(lines)
 
 
-def write_section(text: str, path: Path = ROOT / "docs" / "benchmarks.md") -> None:
-    """Replace the SECTION (up to the next '## ' heading) or append it; other sections stay."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.strip() == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
-        new = "".join(lines[:start]) + text + ("\n" + "".join(lines[end:]) if end < len(lines) else "")
-    path.write_text(new)
 
 
 def main() -> None:
@@ -245,7 +222,7 @@ def main() -> None:
     text = render(rows, prof, best_k, args.threads, label, args.tokens, draft_cost_ratio(llm), args.repeat)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section(SECTION, text)
 
 
 if __name__ == "__main__":
