@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.assets import DEMO_DIR
@@ -17,14 +16,6 @@ from deltaserve.engine.config import EngineConfig, EngineConfigError
 from tests.checkpoints import TINY, random_hf_model, save_official_layout
 
 HAS_TOKENIZER = (DEMO_DIR / "tokenizer.json").exists()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_engine_batching: threads only contend on tiny models
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

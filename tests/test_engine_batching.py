@@ -15,16 +15,6 @@ from tests.checkpoints import RATIOS_27B, random_hf_model, save_official_layout
 MAX_TOKENS = 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls gain nothing from threads, and on a shared 2-core machine OpenMP threads that wait on
-    # each other make these tests 10x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, Path]:
     hf = random_hf_model(RATIOS_27B, seed=3)

@@ -15,14 +15,6 @@ from deltaserve.engine.llm_engine import LLMEngine
 from tests.checkpoints import TINY, random_hf_model, save_official_layout
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_engine_batching: threads only contend on tiny models
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_official_layout(random_hf_model(TINY, seed=1), tmp_path_factory.mktemp("ckpt"))

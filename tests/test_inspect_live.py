@@ -7,20 +7,11 @@ import asyncio
 from pathlib import Path
 
 import pytest
-import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.inspect import live
 from deltaserve.inspect.live import StepEventBus, _Watcher
 from tests.test_spec_decode import _agreeing_checkpoint
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

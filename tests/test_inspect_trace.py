@@ -27,14 +27,6 @@ from deltaserve.model.loader import load_model
 from tests.checkpoints import RATIOS_27B, random_hf_model, save_official_layout
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def hf_and_path(tmp_path_factory: pytest.TempPathFactory):
     hf = random_hf_model(RATIOS_27B, seed=7)

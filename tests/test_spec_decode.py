@@ -30,14 +30,6 @@ def spec(k: int) -> dict:
     return {"method": "mtp", "num_speculative_tokens": k}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_engine_batching: threads only contend on tiny models
-    yield
-    torch.set_num_threads(before)
-
-
 def _agreeing_checkpoint(path: Path, damp: float) -> Path:
     """A random checkpoint whose MTP head tends to agree with the trunk, so both acceptance and rejection
     happen: large embeddings and mixer/MLP outputs scaled by `damp` make the trunk close to a bigram model
