@@ -49,6 +49,7 @@ def test_transformers_loads_it_and_greedy_output_matches(llm):
     state = {k.replace("model.language_model.", "model.", 1): v.float() for k, v in tensors.items()
              if not k.startswith("mtp.")}
     hf.load_state_dict(state, strict=True)
+    hf.generation_config.eos_token_id = None  # like ignore_eos: keep going, but EOS may still be chosen
     tok = llm.get_tokenizer()
     prompts = ["Once upon a time", "The capital of France is", "从前有一个小女孩"]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -56,7 +57,7 @@ def test_transformers_loads_it_and_greedy_output_matches(llm):
     for prompt, out in zip(prompts, ours):
         ids = torch.tensor([tok.encode(prompt)])
         with torch.no_grad():
-            ref = hf.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+            ref = hf.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist()
 
 
