@@ -140,3 +140,16 @@ def test_cli_generate_prints_text(text_path: Path, capsys: pytest.CaptureFixture
 def test_cli_reports_user_errors_in_one_line(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli_main(["generate", "--model", str(path), "--prompt", "x", "--tensor-parallel-size", "2"])
     assert rc == 2 and "tensor_parallel_size=2" in capsys.readouterr().err
+
+
+def test_request_ids_of_live_sequences_cannot_collide(path: Path) -> None:
+    """n > 1 names its sequences "<id>#<i>": a live request already called "a#0" must make "a" with n=2
+    an error, or both sequences would share one block table and state slot."""
+    engine = LLM(model=str(path), max_model_len=64).engine
+    engine.add_request("a#0", [1, 2, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="'a#0' is already in use"):
+        engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4, n=2))
+    engine.abort_request("a#0")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.cache.usage().used_blocks == 0

@@ -173,14 +173,16 @@ class LLMEngine:
     ) -> None:
         """Queue a request. prompt: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": text}."""
         params = params or SamplingParams()
-        if request_id in self.groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        # The cache is keyed by the sequence ids: two live sequences with one id would share blocks and a slot.
+        taken = [rid for rid in (request_id, *child_ids) if rid in self.groups or rid in self.requests]
+        if taken:
+            raise ValueError(f"request_id {taken[0]!r} is already in use")
         text, ids = self._tokenize(prompt)
         self._validate_prompt(ids)
         validate_params_for_vocab(params, self.model_config.vocab_size)
         group = RequestGroup(request_id, text, ids, params)
-        for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+        for i, child_id in enumerate(child_ids):
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
