@@ -92,8 +92,9 @@ class SamplingParams:
             for k, v in self.logit_bias.items():
                 if not _is_int(k) or k < 0:
                     fail("logit_bias", "keyed by non-negative integer token ids", k)
-                if not _is_number(v):
-                    fail("logit_bias", "a mapping of token id to a number", v)
+                # vLLM's range: an infinite bias would turn the softmax into NaN.
+                if not _is_number(v) or not -100 <= v <= 100:
+                    fail("logit_bias", "a mapping of token id to a number in [-100, 100]", v)
 
     @property
     def greedy(self) -> bool:

@@ -176,7 +176,7 @@ def test_reasoning_split_streamed_and_not(client: openai.OpenAI) -> None:
 
     tok = Tokenizer.from_dir(DEMO_DIR)
     y = tok.encode(" y")[0]
-    bias = {str(y): 100.5, str(THINK_END): 100.0}  # ` y` first, then the penalty alternates them
+    bias = {str(y): 100.0, str(THINK_END): 99.5}  # ` y` first, then the penalty alternates them
     kw = dict(max_tokens=7, temperature=0.0, logit_bias=bias, frequency_penalty=2.0)
     prompt = tok.apply_chat_template(USER, add_generation_prompt=True)
     assert prompt.endswith("<think>\n")
