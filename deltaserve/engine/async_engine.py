@@ -155,6 +155,10 @@ class AsyncEngine:
 
     def _send(self, cmd: _Add | _Abort) -> None:
         with self._wake:
+            # Checked under the lock that _fail_all drains the inbox with: a command queued after that
+            # drain would never be answered, leaving its caller waiting forever.
+            if self._stopping and isinstance(cmd, _Add):
+                raise EngineDeadError(f"the engine is not running ({self._error or 'shut down'})")
             self._inbox.append(cmd)
             self._wake.notify()
 
@@ -182,7 +186,8 @@ class AsyncEngine:
             log.exception("the engine thread stopped")
             self._error = e
         finally:
-            self._stopping = True
+            with self._wake:
+                self._stopping = True
             self._fail_all(EngineDeadError(f"the engine stopped: {self._error or 'shut down'}"))
 
     def _apply(self, cmd: _Add | _Abort) -> None:
