@@ -124,7 +124,8 @@ class Scheduler:
         if drafts:
             return ScheduledRequest(req, n, req.num_computed_tokens, VERIFY, drafts)
         # A single token that finishes the pending work is a decode step (for a fresh 1-token prompt too).
-        kind = DECODE if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens else PREFILL
+        # (A 1-token slice of a preempted request's recomputation leaves work pending: that is a prefill.)
+        kind = DECODE if n == req.num_pending_tokens == 1 else PREFILL
         return ScheduledRequest(req, n, req.num_computed_tokens, kind)
 
     def _preempt(self, req: Request) -> None:
