@@ -25,6 +25,7 @@ from deltaserve.inspect.plan_view import allocated_cache, memory_plans
 from deltaserve.inspect.shapes import layer_detail
 from deltaserve.inspect.tokens import TraceInputError, token_view, tokenize_input
 from deltaserve.inspect.trace import attention_lab, forward_trace, gdn_state_lab, layer_kind
+from deltaserve.serve.errors import error_response
 
 STATIC = Path(__file__).resolve().parent / "static"
 _MEDIA = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".svg": "image/svg+xml"}
@@ -96,12 +97,6 @@ class InspectorState:
         }
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    # OpenAI's error shape, like the rest of the server
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}},
-                        status_code=status)
-
-
 def build_inspect_router(engine: Any) -> APIRouter:
     """engine: the LLMEngine the server runs (AsyncEngine.engine)."""
     state = InspectorState(engine)
@@ -112,9 +107,9 @@ def build_inspect_router(engine: Any) -> APIRouter:
         try:
             return JSONResponse(await state.run(fn, *args))
         except LookupError as e:
-            return _error(404, str(e))
+            return error_response(404, str(e))
         except (ValueError, TraceInputError) as e:
-            return _error(400, str(e))
+            return error_response(400, str(e))
 
     @router.get("", include_in_schema=False)
     async def page() -> Response:
@@ -124,7 +119,7 @@ def build_inspect_router(engine: Any) -> APIRouter:
     async def static(name: str) -> Response:
         path = (STATIC / name).resolve()
         if STATIC not in path.parents or not path.is_file():
-            return _error(404, f"no static file {name!r}")
+            return error_response(404, f"no static file {name!r}")
         return FileResponse(path, media_type=_MEDIA.get(path.suffix, "application/octet-stream"))
 
     @router.get("/api/model")
