@@ -1,0 +1,1 @@
+"""The engine: requests, scheduler, cache-aware model runner, sampler, speculative decoding, LLM."""
