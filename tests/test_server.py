@@ -122,6 +122,18 @@ def test_completions_streamed_equals_non_streamed_with_stop_string(client: opena
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_echo_text_offsets_point_into_the_returned_text(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, prompt="a b c", max_tokens=6, temperature=0.0, logprobs=1, echo=True,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0]
+    streamed = list(client.completions.create(**kw, stream=True))
+    offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert full.text.startswith("a b c") and full.logprobs.text_offset[0] == len("a b c")
+    assert offsets == full.logprobs.text_offset
+    for token, offset in zip(full.logprobs.tokens, full.logprobs.text_offset):
+        assert full.text[offset : offset + len(token)] == token
+
+
 def test_completion_prompt_forms_n_and_logprobs(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt=["a b", "c d"], max_tokens=3, n=2, logprobs=2, seed=1)
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]

@@ -76,11 +76,13 @@ def completion_response(
     for i, out in enumerate(outs):
         for c in out.outputs:
             text = c.text
+            start = 0
             if req.echo and out.prompt is not None:
                 text = out.prompt + text
+                start = len(out.prompt)  # text_offset counts from the start of the returned text
             logprobs = None
             if req.logprobs is not None and c.logprobs is not None:
-                logprobs = completion_logprobs(engine.tokenizer, c.token_ids, c.logprobs, req.logprobs)
+                logprobs = completion_logprobs(engine.tokenizer, c.token_ids, c.logprobs, req.logprobs, start)
             choices.append(
                 CompletionChoice(
                     index=i * req.n + c.index,
@@ -103,7 +105,8 @@ async def completion_stream(
 ) -> AsyncIterator[str]:
     created = int(time.time())
     cursors = [[ChoiceCursor(stop_holdback(p.params)) for _ in range(req.n)] for p in prepared]
-    offsets = [[0] * req.n for _ in prepared]
+    # text_offset of the next token, counted from the start of the choice's text (the echoed prompt too)
+    offsets = [[len(p.text or "") if req.echo else 0] * req.n for p in prepared]
     last: dict[int, RequestOutput] = {}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     try:
@@ -123,7 +126,9 @@ async def completion_stream(
                     logprobs = completion_logprobs(
                         engine.tokenizer, d.token_ids, d.logprobs, req.logprobs, offsets[i][c.index]
                     )
-                offsets[i][c.index] += len(d.text)
+                # Advance by the same measure text_offset uses (each token's text), not by the emitted
+                # delta, which can be shorter while a stop string is held back.
+                offsets[i][c.index] += sum(map(len, logprobs.tokens)) if logprobs else len(d.text)
                 yield _chunk(
                     response_id,
                     created,
