@@ -67,10 +67,8 @@ class GatedAttention(nn.Module):
         write_kv(k_cache, v_cache, ctx.slot_mapping, k, v)
         out = torch.empty_like(q)
         if ctx.decode_seqs:
-            seqs = ctx.decode_seqs
-            seq_lens = torch.tensor([ctx.seq_lens[b] for b in seqs])
             out[ctx.decode_tokens] = decode_attention(
-                q[ctx.decode_tokens], k_cache, v_cache, ctx.block_tables[seqs], seq_lens, self.scale
+                q[ctx.decode_tokens], k_cache, v_cache, ctx.decode_block_tables, ctx.decode_seq_lens, self.scale
             )
         for b in ctx.prefill_seqs + ctx.spec_seqs:  # a verify segment attends like a short chunk
             s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]

@@ -64,7 +64,11 @@ class ForwardContext:
     decode_seqs: list[int] = field(default_factory=list)  # sequences with exactly one new token
     prefill_seqs: list[int] = field(default_factory=list)  # the others (prompt chunks)
     decode_tokens: torch.Tensor | None = None  # [D] token index of each decode sequence
-    decode_fresh: torch.Tensor | None = None  # [D] bool: decode sequence with nothing cached
+    # Per decode sequence, computed once per forward rather than in every layer:
+    decode_keep: torch.Tensor | None = None  # [D] 1.0 = continue the cached GDN state, 0.0 = fresh start
+    decode_slots: torch.Tensor | None = None  # [D] GDN state slot
+    decode_seq_lens: torch.Tensor | None = None  # [D] cached + new tokens
+    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks]
     spec_seqs: list[int] = field(default_factory=list)  # verify segments (never fresh)
     spec_tokens: torch.Tensor | None = None  # [S, L] token index per position, padded with the last one
     spec_valid: torch.Tensor | None = None  # [S, L] bool: real (not padding) positions
@@ -95,7 +99,11 @@ class ForwardContext:
             self.spec_valid = offs[None, :] < lens[:, None]
             self.spec_tokens = starts[:, None] + torch.minimum(offs[None, :], lens[:, None] - 1)
         self.decode_tokens = torch.tensor([qsl[b] for b in self.decode_seqs], dtype=torch.long)
-        self.decode_fresh = torch.tensor([self.context_lens[b] == 0 for b in self.decode_seqs])
+        self.decode_keep = torch.tensor([float(self.context_lens[b] > 0) for b in self.decode_seqs])
+        if self.decode_seqs:
+            self.decode_slots = self.state_slots[self.decode_seqs]
+            self.decode_seq_lens = torch.tensor([self.seq_lens[b] for b in self.decode_seqs])
+            self.decode_block_tables = self.block_tables[self.decode_seqs]
 
     @property
     def num_seqs(self) -> int:

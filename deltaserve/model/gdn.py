@@ -109,13 +109,12 @@ class GatedDeltaNet(nn.Module):
         core = qkv.new_empty(T, self.num_v_heads, self.head_v_dim, dtype=torch.float32)
         if ctx.decode_seqs:
             idx = ctx.decode_tokens
-            slots = ctx.state_slots[ctx.decode_seqs]
-            keep = (~ctx.decode_fresh).to(conv_cache.dtype)
-            conv_state = conv_cache[slots] * keep[:, None, None]
+            slots, keep = ctx.decode_slots, ctx.decode_keep
+            conv_state = conv_cache[slots] * keep.to(conv_cache.dtype)[:, None, None]
             mixed, conv_state = causal_conv1d_step(qkv[idx], weight, conv_state)
             conv_cache[slots] = conv_state.to(conv_cache.dtype)
             q, k, v = self._split_heads(F.silu(mixed))
-            state = ssm_cache[slots].float() * keep.float()[:, None, None, None]
+            state = ssm_cache[slots].float() * keep[:, None, None, None]
             o, state = delta_rule_step(q, k, v, g[idx], beta[idx], state)
             ssm_cache[slots] = state.to(ssm_cache.dtype)
             core[idx] = o
