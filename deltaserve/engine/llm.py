@@ -32,6 +32,7 @@ class LLM:
         seed: int = 0,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         self.config = EngineConfig(
             model=None if model is None else str(model),
@@ -47,6 +48,7 @@ class LLM:
             seed=seed,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
+            enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()

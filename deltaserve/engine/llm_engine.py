@@ -25,6 +25,7 @@ from deltaserve.engine.scheduler import DECODE, VERIFY, Scheduler, SchedulerOutp
 from deltaserve.engine.spec_decode import SpecDecoder
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 from deltaserve.model.loader import load_model
+from deltaserve.ops.fused import FusedBuildError, FusedTrunk, supported
 from deltaserve.outputs import RequestOutput, SpecDecodeMetrics
 from deltaserve.sampling import SamplingParams
 
@@ -146,7 +147,9 @@ class LLMEngine:
         if k:
             spec = SpecDecoder(self.model, self.cache_tensors, self.cache, sampler, k, self.max_model_len)
             self.spec_metrics = SpecDecodeMetrics(accepted_per_position=[0] * k)
-        self.runner = ModelRunner(self.model, self.cache_tensors, self.cache, sampler, spec)
+        self.runner = ModelRunner(
+            self.model, self.cache_tensors, self.cache, sampler, spec, fused=self._fused_trunk()
+        )
         self.groups: dict[str, RequestGroup] = {}
         self.requests: dict[str, Request] = {}
         self._aborted_outputs: list[RequestOutput] = []
@@ -156,6 +159,20 @@ class LLMEngine:
         self.last_schedule: SchedulerOutput | None = None
         # Called after every step with its SchedulerOutput (metrics, the inspector's step trace).
         self.step_listeners: list[Callable[[SchedulerOutput], None]] = []
+
+    def _fused_trunk(self) -> FusedTrunk | None:
+        """The C++ step for decode and verify steps, unless enforce_eager or the model cannot use it."""
+        if self.config.enforce_eager:
+            return None
+        reason = supported(self.model, self.cache_tensors)
+        if reason is not None:
+            log.info("decode steps run the Python model: %s (the fused step is float32 only)", reason)
+            return None
+        try:
+            return FusedTrunk(self.model, self.cache_tensors)
+        except FusedBuildError as e:
+            log.warning("%s; decode steps run the Python model instead", e)
+            return None
 
     def _model_path(self) -> Path:
         if self.config.model is not None:

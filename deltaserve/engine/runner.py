@@ -14,6 +14,7 @@ from deltaserve.engine.scheduler import VERIFY, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder, VerifyResult
 from deltaserve.model.context import CacheTensors, ForwardContext
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
+from deltaserve.ops.fused import FusedTrunk
 
 
 @dataclass(slots=True)
@@ -26,9 +27,14 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(
         self, model: Qwen3_5ForCausalLM, cache: CacheTensors, manager: CacheManager, sampler: Sampler,
-        spec: SpecDecoder | None = None,
+        spec: SpecDecoder | None = None, fused: FusedTrunk | None = None,
     ) -> None:
         self.model = model
+        self.fused = fused
+        # Logits of chosen rows: the C++ projection when the fused step is there (same maths).
+        self.compute_logits = fused.logits if fused is not None else model.compute_logits
+        if spec is not None:
+            spec.compute_logits = self.compute_logits
         self.cache = cache
         self.manager = manager
         self.sampler = sampler
@@ -88,7 +94,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         input_ids, ctx = self.build_context(sched)
-        hidden = self.model(input_ids, ctx)  # [T, H]
+        if self.fused is not None and self.fused.eligible(ctx):
+            hidden = self.fused(input_ids, ctx)  # [T, H], the same maths in one C++ call
+        else:
+            hidden = self.model(input_ids, ctx)
         rows, states, request_ids = [], [], []
         verify_seqs, verify_reqs = [], []
         for b, s in enumerate(sched.scheduled):
@@ -108,7 +117,7 @@ class ModelRunner:
             verified = {r.request_id: v for r, v in zip(verify_reqs, results, strict=True)}
         if not rows:
             return ModelRunnerOutput([], None, verified)
-        logits = self.model.compute_logits(hidden, torch.tensor(rows, dtype=torch.long))  # [N, V] fp32
+        logits = self.compute_logits(hidden, torch.tensor(rows, dtype=torch.long))  # [N, V] fp32
         return ModelRunnerOutput(request_ids, self.sampler(logits, states), verified)
 
     @torch.inference_mode()

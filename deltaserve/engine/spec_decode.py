@@ -73,6 +73,7 @@ class SpecDecoder:
         self.manager = manager
         self.sampler = sampler
         self.k = num_speculative_tokens
+        self.compute_logits = model.compute_logits  # the runner swaps in the fused step's projection
         self.max_model_len = max_model_len
 
     # ---- verification -----------------------------------------------------------------------------------
@@ -91,7 +92,7 @@ class SpecDecoder:
             for i in range(len(drafts) + 1):
                 rows.append(start + i)
                 states.append(_state_at(req.sampling, drafts[:i]))
-        logits = self.model.compute_logits(hidden, torch.tensor(rows, dtype=torch.long))  # [R, V]
+        logits = self.compute_logits(hidden, torch.tensor(rows, dtype=torch.long))  # [R, V]
         processed = self.sampler.process_logits(logits, states)
         want_lp = [r.params.logprobs is not None for r in requests]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
@@ -212,7 +213,7 @@ class SpecDecoder:
                 dctx = make_context([1] * len(reqs), ctx_lens, [r.request_id for r in reqs])
                 prev = torch.tensor([r.spec_token_ids[-1] for r in reqs], dtype=torch.long)
                 h = self.model.mtp_hidden(prev, h[keep], dctx, step=j)
-            self._sample_drafts([drafters[i] for i in active], self.model.compute_logits(h))
+            self._sample_drafts([drafters[i] for i in active], self.compute_logits(h))
 
     def _num_drafts(self, req: Request) -> int:
         """k, or fewer: no more than the request may still emit minus the target's own token, no position

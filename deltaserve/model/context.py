@@ -121,7 +121,7 @@ class ForwardContext:
     @classmethod
     def paged(
         cls, cache: CacheTensors, query_lens: list[int], context_lens: list[int],
-        block_tables: list[list[int]], state_slots: list[int],
+        block_tables: list[list[int]], state_slots: list[int], verify: list[bool] | None = None,
     ) -> ForwardContext:
         """Context for sequences that continue at context_lens[b], reading/writing the given blocks."""
         block_size = cache.block_size
@@ -139,5 +139,5 @@ class ForwardContext:
             positions=torch.tensor(positions, dtype=torch.long), query_start_loc=qsl,
             context_lens=list(context_lens), cache=cache, block_tables=tables,
             state_slots=torch.tensor(state_slots, dtype=torch.long),
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long), verify=verify,
         )

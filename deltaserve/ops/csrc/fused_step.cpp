@@ -1,0 +1,465 @@
+// The whole trunk forward for steps of short segments (decode tokens, speculative verify segments, small
+// prompt tails) in one C++ call: the matmuls go to ATen (MKL), everything between them is one loop nest per
+// token and head instead of a few hundred small torch ops. Same maths as deltaserve/model/*.py, which stays
+// the reference (tests/test_fused_step.py holds the two together). fp32 weights, activations and caches.
+//
+// Layout of the flat batch: B sequences, sequence b owns tokens qsl[b] .. qsl[b+1]-1, each token t at
+// rotary/KV position positions[t]. A sequence with context_lens[b] == 0 starts its GDN state from zeros.
+// spec_index[b] >= 0 marks a verify segment: its GDN states after every token go to the returned
+// per-position tensors (row spec_index[b]) and its cache slot is left untouched; other sequences update
+// their slot in place.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * scale, for one row of n.
+inline void rms_norm_row(const float* x, const float* scale, float eps, int64_t n, float* out) {
+  const float r = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * scale[i];
+}
+
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& scale, float eps) {
+  const int64_t T = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) rms_norm_row(xp + t * n, sp, eps, n, op + t * n);
+  return out;
+}
+
+// Rotate-half rotary embedding on the first 2*half dims of one head, in place.
+inline void rope_head(float* x, const float* cos, const float* sin, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i] + a * sin[i];
+  }
+}
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// A projection's weight [N, K] in fp32, and, when every value is exactly a bfloat16 (a bf16 checkpoint
+// computed in fp32), the same values stored as bf16: half the bytes to stream for the same products.
+struct Linear {
+  at::Tensor w, w16;
+};
+
+// Up to this many rows, stream the bf16 weight once and reuse each converted row for every input row;
+// more rows go to MKL's fp32 GEMM, which is compute bound there and wins.
+constexpr int64_t kSmallRows = 8;
+
+// y [T, N] = x [T, K] @ w^T with w as bf16 values; each product and the fp32 accumulation are as in the
+// fp32 GEMM (only the summation order differs).
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w16) {
+  const int64_t T = x.size(0), K = x.size(1), N = w16.size(0);
+  at::Tensor y = at::empty({T, N}, x.options());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w16.data_ptr<at::BFloat16>());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    std::vector<float> row(K);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint16_t* wr = wp + n * K;
+#pragma omp simd
+      for (int64_t k = 0; k < K; ++k) row[k] = bf16_to_float(wr[k]);
+      for (int64_t t = 0; t < T; ++t) yp[t * N + n] = dot(row.data(), xp + t * K, K);
+    }
+  });
+  return y;
+}
+
+at::Tensor apply(const Linear& l, const at::Tensor& x) {
+  if (l.w16.defined() && x.size(0) <= kSmallRows) return linear_bf16(x, l.w16);
+  return at::linear(x, l.w);
+}
+
+struct Dims {
+  int64_t hidden, intermediate;
+  int64_t hk, hv, dk, dv, conv_dim, kernel;  // Gated DeltaNet
+  int64_t nh, nkv, hd, rotary_dim;           // attention
+  float eps;
+};
+
+struct GdnWeights {
+  Linear in_w;           // [conv_dim + value_dim + 2*hv, hidden]: rows of in_proj_qkv | z | b | a
+  at::Tensor conv_w;     // [conv_dim, kernel]
+  at::Tensor neg_a;      // [hv] = -exp(A_log)
+  at::Tensor dt_bias;    // [hv]
+  at::Tensor norm_w;     // [dv]
+  Linear out_w;          // [hidden, value_dim]
+  at::Tensor conv_cache; // [slots, conv_dim, kernel-1]
+  at::Tensor ssm_cache;  // [slots, hv, dk, dv]
+};
+
+struct AttnWeights {
+  Linear qkv_w;                 // [2*nh*hd + 2*nkv*hd, hidden]: rows of q_proj | k_proj | v_proj
+  at::Tensor q_scale, k_scale;  // [hd] = 1 + q_norm / k_norm weight
+  Linear o_w;                   // [hidden, nh*hd]
+  at::Tensor k_cache, v_cache;  // [blocks, block_size, nkv, hd]
+};
+
+struct Layer {
+  bool gdn;
+  at::Tensor in_scale, post_scale;  // [hidden] = 1 + weight of the two RMSNorms
+  Linear gate_up_w;                 // [2*intermediate, hidden]: rows of gate_proj | up_proj
+  Linear down_w;                    // [hidden, intermediate]
+  GdnWeights g;
+  AttnWeights a;
+};
+
+// Per-step views of the flat batch (all int64, on CPU).
+struct Batch {
+  int64_t T, B;
+  const int64_t *positions, *qsl, *context_lens, *block_tables, *slot_mapping, *state_slots, *spec_index;
+  int64_t table_width;
+  int64_t spec_rows, spec_width;
+};
+
+class FusedTrunk {
+ public:
+  FusedTrunk(std::vector<at::Tensor> tensors, std::vector<int64_t> layer_is_gdn, std::vector<int64_t> dims,
+             double eps)
+      : d_{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7],
+           dims[8], dims[9], dims[10], dims[11], static_cast<float>(eps)} {
+    size_t i = 0;
+    auto next = [&]() {
+      TORCH_CHECK(i < tensors.size(), "FusedTrunk: too few tensors");
+      at::Tensor t = tensors[i++];
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "FusedTrunk: tensor ", i - 1,
+                  " must be contiguous float32");
+      return t;
+    };
+    // a projection: its fp32 weight, then its bf16 copy or an empty tensor when the values are not bf16
+    auto linear = [&]() {
+      at::Tensor w = next();
+      TORCH_CHECK(i < tensors.size(), "FusedTrunk: too few tensors");
+      at::Tensor w16 = tensors[i++];
+      if (w16.numel() == 0) return Linear{w, at::Tensor()};
+      TORCH_CHECK(w16.scalar_type() == at::kBFloat16 && w16.is_contiguous() && w16.sizes() == w.sizes(),
+                  "FusedTrunk: tensor ", i - 1, " must be the bf16 copy of the weight before it");
+      return Linear{w, w16};
+    };
+    embed_ = next();
+    final_scale_ = next();
+    inv_freq_ = next();
+    lm_head_ = linear();
+    for (int64_t is_gdn : layer_is_gdn) {
+      Layer l;
+      l.gdn = is_gdn != 0;
+      l.in_scale = next();
+      l.post_scale = next();
+      l.gate_up_w = linear();
+      l.down_w = linear();
+      if (l.gdn) {
+        l.g.in_w = linear();
+        l.g.conv_w = next();
+        l.g.neg_a = next();
+        l.g.dt_bias = next();
+        l.g.norm_w = next();
+        l.g.out_w = linear();
+        l.g.conv_cache = next();
+        l.g.ssm_cache = next();
+      } else {
+        l.a.qkv_w = linear();
+        l.a.q_scale = next();
+        l.a.k_scale = next();
+        l.a.o_w = linear();
+        l.a.k_cache = next();
+        l.a.v_cache = next();
+      }
+      layers_.push_back(std::move(l));
+    }
+    TORCH_CHECK(i == tensors.size(), "FusedTrunk: ", tensors.size() - i, " tensors left over");
+  }
+
+  // Returns the final-normed hidden states [T, hidden] and, per GDN layer, the per-position conv
+  // [S, L, conv_dim, kernel-1] and recurrent [S, L, hv, dk, dv] states of the verify segments (empty
+  // lists when spec_rows == 0).
+  std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> forward(
+      const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& qsl,
+      const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& slot_mapping,
+      const at::Tensor& state_slots, const at::Tensor& spec_index, int64_t spec_rows, int64_t spec_width) {
+    for (const at::Tensor* t : {&input_ids, &positions, &qsl, &context_lens, &block_tables, &slot_mapping,
+                                &state_slots, &spec_index}) {
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "FusedTrunk: index tensors are int64");
+    }
+    Batch bt{input_ids.size(0), context_lens.size(0), positions.data_ptr<int64_t>(), qsl.data_ptr<int64_t>(),
+             context_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
+             slot_mapping.data_ptr<int64_t>(), state_slots.data_ptr<int64_t>(),
+             spec_index.data_ptr<int64_t>(), block_tables.size(1), spec_rows, spec_width};
+    TORCH_CHECK(positions.dim() == 1, "FusedTrunk: text positions only ([T])");
+
+    // cos/sin [T, half] from positions * inv_freq, as RotaryEmbedding.cos_sin computes them.
+    const int64_t half = d_.rotary_dim / 2;
+    std::vector<float> cos(bt.T * half), sin(bt.T * half);
+    const float* inv = inv_freq_.data_ptr<float>();
+    for (int64_t t = 0; t < bt.T; ++t) {
+      for (int64_t f = 0; f < half; ++f) {
+        const float angle = static_cast<float>(bt.positions[t]) * inv[f];
+        cos[t * half + f] = std::cos(angle);
+        sin[t * half + f] = std::sin(angle);
+      }
+    }
+
+    std::vector<at::Tensor> spec_conv, spec_ssm;
+    at::Tensor x = embed_.index_select(0, input_ids);  // [T, hidden]
+    for (Layer& l : layers_) {
+      at::Tensor h = rms_norm_rows(x, l.in_scale, d_.eps);
+      at::Tensor mix;
+      if (l.gdn) {
+        at::Tensor conv_states, ssm_states;
+        if (spec_rows > 0) {
+          conv_states = at::empty({spec_rows, spec_width, d_.conv_dim, d_.kernel - 1}, x.options());
+          ssm_states = at::empty({spec_rows, spec_width, d_.hv, d_.dk, d_.dv}, x.options());
+          spec_conv.push_back(conv_states);
+          spec_ssm.push_back(ssm_states);
+        }
+        mix = gdn(l.g, h, bt, conv_states, ssm_states);
+      } else {
+        mix = attention(l.a, h, bt, cos.data(), sin.data());
+      }
+      x.add_(mix);
+      at::Tensor gu = apply(l.gate_up_w, rms_norm_rows(x, l.post_scale, d_.eps));  // [T, 2I]
+      const int64_t I = d_.intermediate;
+      at::Tensor act = at::empty({bt.T, I}, x.options());
+      const float* gp = gu.data_ptr<float>();
+      float* ap = act.data_ptr<float>();
+      for (int64_t t = 0; t < bt.T; ++t) {
+        for (int64_t j = 0; j < I; ++j) ap[t * I + j] = silu(gp[t * 2 * I + j]) * gp[t * 2 * I + I + j];
+      }
+      x.add_(apply(l.down_w, act));
+    }
+    return {rms_norm_rows(x, final_scale_, d_.eps), spec_conv, spec_ssm};
+  }
+
+  // fp32 logits [R, vocab] of final-normed hidden rows [R, hidden]
+  at::Tensor logits(const at::Tensor& hidden) { return apply(lm_head_, hidden.contiguous()); }
+
+ private:
+  at::Tensor gdn(const GdnWeights& w, const at::Tensor& h, const Batch& bt, at::Tensor& spec_conv,
+                 at::Tensor& spec_ssm) {
+    const int64_t C = d_.conv_dim, K = d_.kernel, Hv = d_.hv, dk = d_.dk, dv = d_.dv;
+    const int64_t key_dim = d_.hk * dk, value_dim = Hv * dv, rep = Hv / d_.hk;
+    const int64_t width = C + value_dim + 2 * Hv;  // qkv | z | b | a
+    at::Tensor proj = apply(w.in_w, h);         // [T, width]
+    at::Tensor core = at::empty({bt.T, value_dim}, h.options());
+    const float* pp = proj.data_ptr<float>();
+    const float* cw = w.conv_w.data_ptr<float>();
+    const float* neg_a = w.neg_a.data_ptr<float>();
+    const float* dt_bias = w.dt_bias.data_ptr<float>();
+    const float* norm_w = w.norm_w.data_ptr<float>();
+    float* conv_cache = w.conv_cache.data_ptr<float>();
+    float* ssm_cache = w.ssm_cache.data_ptr<float>();
+    float* out = core.data_ptr<float>();
+    const int64_t conv_size = C * (K - 1), ssm_size = Hv * dk * dv;
+    float* spec_conv_p = bt.spec_rows ? spec_conv.data_ptr<float>() : nullptr;
+    float* spec_ssm_p = bt.spec_rows ? spec_ssm.data_ptr<float>() : nullptr;
+    const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
+
+    at::parallel_for(0, bt.B, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> mixed(C), kv_mem(dv), u(dv);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t slot = bt.state_slots[b], row = bt.spec_index[b];
+        const bool fresh = bt.context_lens[b] == 0;
+        float* conv_slot = conv_cache + slot * conv_size;
+        float* ssm_slot = ssm_cache + slot * ssm_size;
+        const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
+        // The working state: the slot itself, or for a verify segment the per-position copy.
+        float* conv = conv_slot;
+        float* S = ssm_slot;
+        if (fresh && row < 0) {
+          std::fill(conv_slot, conv_slot + conv_size, 0.0f);
+          std::fill(ssm_slot, ssm_slot + ssm_size, 0.0f);
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t t = t0 + i;
+          if (row >= 0) {  // verify: position i starts from position i-1's state (or the slot's)
+            float* conv_i = spec_conv_p + (row * bt.spec_width + i) * conv_size;
+            float* S_i = spec_ssm_p + (row * bt.spec_width + i) * ssm_size;
+            if (fresh && i == 0) {
+              std::fill(conv_i, conv_i + conv_size, 0.0f);
+              std::fill(S_i, S_i + ssm_size, 0.0f);
+            } else {
+              std::memcpy(conv_i, conv, conv_size * sizeof(float));
+              std::memcpy(S_i, S, ssm_size * sizeof(float));
+            }
+            conv = conv_i;
+            S = S_i;
+          }
+          const float* xin = pp + t * width;
+          // causal depthwise conv over [state | x_t], then SiLU; the state shifts by one
+          for (int64_t c = 0; c < C; ++c) {
+            float* st = conv + c * (K - 1);
+            const float* wc = cw + c * K;
+            float acc = 0.0f;
+            for (int64_t j = 0; j < K - 1; ++j) acc += st[j] * wc[j];
+            acc += xin[c] * wc[K - 1];
+            for (int64_t j = 0; j + 1 < K - 1; ++j) st[j] = st[j + 1];
+            st[K - 2] = xin[c];
+            mixed[c] = silu(acc);
+          }
+          // L2-normalise q and k per key head (q also scaled by dk^-1/2)
+          for (int64_t kh = 0; kh < 2 * d_.hk; ++kh) {
+            float* v = mixed.data() + kh * dk;
+            float r = 1.0f / std::sqrt(dot(v, v, dk) + 1e-6f);
+            if (kh < d_.hk) r *= q_scale;
+            for (int64_t j = 0; j < dk; ++j) v[j] *= r;
+          }
+          const float* z = xin + C;
+          const float* braw = xin + C + value_dim;
+          const float* araw = braw + Hv;
+          float* o_t = out + t * value_dim;
+          for (int64_t hv = 0; hv < Hv; ++hv) {
+            const float* q = mixed.data() + (hv / rep) * dk;
+            const float* k = mixed.data() + key_dim + (hv / rep) * dk;
+            const float* v = mixed.data() + 2 * key_dim + hv * dv;
+            const float beta = sigmoid(braw[hv]);
+            const float decay = std::exp(neg_a[hv] * softplus(araw[hv] + dt_bias[hv]));
+            float* Sh = S + hv * dk * dv;
+            std::fill(kv_mem.begin(), kv_mem.end(), 0.0f);
+            for (int64_t a = 0; a < dk; ++a) {
+              float* Sa = Sh + a * dv;
+              const float ka = k[a];
+#pragma omp simd
+              for (int64_t j = 0; j < dv; ++j) {
+                Sa[j] *= decay;
+                kv_mem[j] += Sa[j] * ka;
+              }
+            }
+            for (int64_t j = 0; j < dv; ++j) u[j] = beta * (v[j] - kv_mem[j]);
+            float* o = o_t + hv * dv;
+            std::fill(o, o + dv, 0.0f);
+            for (int64_t a = 0; a < dk; ++a) {
+              float* Sa = Sh + a * dv;
+              const float ka = k[a], qa = q[a];
+#pragma omp simd
+              for (int64_t j = 0; j < dv; ++j) {
+                Sa[j] += ka * u[j];
+                o[j] += Sa[j] * qa;
+              }
+            }
+            // gated RMSNorm: o * rsqrt(mean(o^2) + eps) * w * silu(z)
+            const float r = 1.0f / std::sqrt(dot(o, o, dv) / static_cast<float>(dv) + d_.eps);
+            const float* zh = z + hv * dv;
+            for (int64_t j = 0; j < dv; ++j) o[j] = o[j] * r * norm_w[j] * silu(zh[j]);
+          }
+        }
+        if (row >= 0) {  // padding positions of a shorter verify segment keep its last state
+          for (int64_t i = n; i < bt.spec_width; ++i) {
+            std::memcpy(spec_conv_p + (row * bt.spec_width + i) * conv_size, conv, conv_size * sizeof(float));
+            std::memcpy(spec_ssm_p + (row * bt.spec_width + i) * ssm_size, S, ssm_size * sizeof(float));
+          }
+        }
+      }
+    });
+    return apply(w.out_w, core);
+  }
+
+  at::Tensor attention(const AttnWeights& w, const at::Tensor& h, const Batch& bt, const float* cos,
+                       const float* sin) {
+    const int64_t nh = d_.nh, nkv = d_.nkv, hd = d_.hd, half = d_.rotary_dim / 2;
+    const int64_t q_width = 2 * nh * hd, width = q_width + 2 * nkv * hd, group = nh / nkv;
+    const int64_t block_size = w.k_cache.size(1), row_size = nkv * hd;
+    at::Tensor proj = apply(w.qkv_w, h);  // [T, width]: per head q | gate, then k, then v
+    float* pp = proj.data_ptr<float>();
+    const float* qs = w.q_scale.data_ptr<float>();
+    const float* ks = w.k_scale.data_ptr<float>();
+    float* k_cache = w.k_cache.data_ptr<float>();
+    float* v_cache = w.v_cache.data_ptr<float>();
+
+    // 1. q/k RMSNorm and RoPE, K/V into the cache (every token's, before any token reads them)
+    for (int64_t t = 0; t < bt.T; ++t) {
+      float* row = pp + t * width;
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        float* q = row + hh * 2 * hd;
+        rms_norm_row(q, qs, d_.eps, hd, q);
+        rope_head(q, cos + t * half, sin + t * half, half);
+      }
+      float* k = row + q_width;
+      for (int64_t hh = 0; hh < nkv; ++hh) {
+        rms_norm_row(k + hh * hd, ks, d_.eps, hd, k + hh * hd);
+        rope_head(k + hh * hd, cos + t * half, sin + t * half, half);
+      }
+      const int64_t slot = bt.slot_mapping[t];
+      std::memcpy(k_cache + slot * row_size, k, row_size * sizeof(float));
+      std::memcpy(v_cache + slot * row_size, k + row_size, row_size * sizeof(float));
+    }
+
+    // 2. each query token attends to positions 0 .. its own, read through its sequence's block table
+    at::Tensor attn = at::empty({bt.T, nh * hd}, h.options());
+    float* ap = attn.data_ptr<float>();
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    at::parallel_for(0, bt.B, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> scores;
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t* table = bt.block_tables + b * bt.table_width;
+        for (int64_t t = bt.qsl[b]; t < bt.qsl[b + 1]; ++t) {
+          const int64_t L = bt.positions[t] + 1;
+          scores.resize(L);
+          for (int64_t hh = 0; hh < nh; ++hh) {
+            const float* q = pp + t * width + hh * 2 * hd;
+            const float* gate = q + hd;
+            const int64_t kv_off = (hh / group) * hd;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < L; ++j) {
+              const int64_t r = table[j / block_size] * block_size + j % block_size;
+              scores[j] = dot(q, k_cache + r * row_size + kv_off, hd) * scale;
+              mx = std::max(mx, scores[j]);
+            }
+            float* o = ap + t * nh * hd + hh * hd;
+            std::fill(o, o + hd, 0.0f);
+            float sum = 0.0f;
+            for (int64_t j = 0; j < L; ++j) {
+              const float p = std::exp(scores[j] - mx);
+              sum += p;
+              const float* v = v_cache + (table[j / block_size] * block_size + j % block_size) * row_size + kv_off;
+#pragma omp simd
+              for (int64_t e = 0; e < hd; ++e) o[e] += p * v[e];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t e = 0; e < hd; ++e) o[e] = o[e] * inv * sigmoid(gate[e]);
+          }
+        }
+      }
+    });
+    return apply(w.o_w, attn);
+  }
+
+  Dims d_;
+  at::Tensor embed_, final_scale_, inv_freq_;
+  Linear lm_head_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<FusedTrunk>(m, "FusedTrunk")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, double>())
+      .def("forward", &FusedTrunk::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("logits", &FusedTrunk::logits, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

@@ -1,0 +1,113 @@
+"""The fused C++ step (deltaserve/ops/fused.py) against the Python model it replaces for short segments:
+the same hidden states, logits, cache writes and per-position verify states, on random checkpoints whose
+weights are fp32 (MKL projections) or exactly bf16 (the bf16-streaming projections)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.cache.tensors import allocate_cache
+from deltaserve.model.context import ForwardContext
+from deltaserve.model.loader import load_model
+from deltaserve.ops.fused import FusedTrunk, supported
+from tests.checkpoints import RATIOS_27B, TINY, random_hf_model, save_causal_lm_layout
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module", params=["tiny-fp32", "27b-ratios-bf16-values", "tied-odd-pattern"])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "tiny-fp32":
+        hf = random_hf_model(TINY, seed=0)
+    elif request.param == "27b-ratios-bf16-values":
+        hf = random_hf_model(RATIOS_27B, seed=1)
+        with torch.no_grad():  # a bf16 checkpoint computed in fp32: every weight is a bf16 number
+            for p in hf.parameters():
+                p.copy_(p.bfloat16().float())
+    else:
+        pattern = ["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"]
+        hf = random_hf_model(dict(TINY, num_hidden_layers=5), seed=2, tie=True, layer_types=pattern)
+    save_causal_lm_layout(hf, path)
+    return load_model(path, dtype="float32")
+
+
+def junk_cache(model, seed: int):
+    """A cache whose state slots hold garbage, as slots freed by earlier requests do."""
+    cache = allocate_cache(model.config, num_blocks=64, block_size=BLOCK, num_slots=6)
+    g = torch.Generator().manual_seed(seed)
+    for t in [*cache.conv.values(), *cache.ssm.values()]:
+        t.copy_(torch.randn(t.shape, generator=g))
+    return cache
+
+
+def context(cache, lens: list[tuple[int, int]], verify: list[bool] | None = None) -> ForwardContext:
+    """(query_len, context_len) per sequence b, which owns blocks 10b.. and slot b."""
+    tables = [list(range(10 * b, 10 * b + 10)) for b in range(len(lens))]
+    return ForwardContext.paged(
+        cache, [q for q, _ in lens], [c for _, c in lens], tables, list(range(len(lens))), verify
+    )
+
+
+def assert_caches_equal(a, b) -> None:
+    for layer in a.conv:
+        torch.testing.assert_close(b.conv[layer], a.conv[layer], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b.ssm[layer], a.ssm[layer], atol=1e-4, rtol=1e-4)
+    for layer, (k, v) in a.kv.items():
+        torch.testing.assert_close(b.kv[layer][0], k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b.kv[layer][1], v, atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_fused_steps_match_the_python_model(model) -> None:
+    ref_cache, fused_cache = junk_cache(model, 0), junk_cache(model, 0)
+    fused = FusedTrunk(model, fused_cache)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+
+    # prompts of sequences 0-2 through the Python model on both caches
+    prompt = context(ref_cache, [(20, 0), (37, 0), (5, 0)])
+    ids = torch.randint(0, V, (62,), generator=g)
+    model(ids, prompt)
+    model(ids, context(fused_cache, [(20, 0), (37, 0), (5, 0)]))
+
+    steps = [
+        # a decode, a verify segment of 4, a prompt tail of 3, a fresh 2-token prompt, a fresh single token:
+        # 11 rows (the fp32 GEMM path for every projection)
+        ([(1, 20), (4, 37), (3, 5), (2, 0), (1, 0)], [False, True, False, False, False]),
+        # 7 rows (the bf16-streaming path when the weights allow it): decodes and a verify of 3
+        ([(1, 21), (3, 38), (1, 8), (1, 2), (1, 1)], [False, True, False, False, False]),
+    ]
+    for lens, verify in steps:
+        T = sum(q for q, _ in lens)
+        ids = torch.randint(0, V, (T,), generator=g)
+        ref_ctx, fused_ctx = context(ref_cache, lens, verify), context(fused_cache, lens, verify)
+        expected = model(ids, ref_ctx)
+        got = fused(ids, fused_ctx)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(fused.logits(got), model.compute_logits(expected), atol=1e-4, rtol=1e-4)
+        assert fused_ctx.spec_states.keys() == ref_ctx.spec_states.keys()
+        for layer, (conv, ssm) in ref_ctx.spec_states.items():
+            got_conv, got_ssm = fused_ctx.spec_states[layer]
+            n = 4 if T == 11 else 3  # the verify segment's length: compare its real positions
+            torch.testing.assert_close(got_conv[:, :n], conv[:, :n], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got_ssm[:, :n], ssm[:, :n], atol=1e-4, rtol=1e-4)
+        assert_caches_equal(ref_cache, fused_cache)
+
+
+def test_fused_logits_for_few_and_many_rows(model) -> None:
+    fused = FusedTrunk(model, allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1))
+    hidden = torch.randn(20, model.config.hidden_size)
+    with torch.inference_mode():
+        for rows in ([3], list(range(8)), list(range(20))):
+            torch.testing.assert_close(
+                fused.logits(hidden, rows), model.compute_logits(hidden, rows), atol=1e-5, rtol=1e-5
+            )
+
+
+def test_only_float32_models_and_caches_are_fused(model, tmp_path) -> None:
+    cache = allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1, dtype=torch.bfloat16)
+    assert supported(model, cache) == "the cache is not float32"
+    with pytest.raises(ValueError, match="cache is not float32"):
+        FusedTrunk(model, cache)
