@@ -66,7 +66,8 @@ class Row:
 def build_random(dirpath: Path) -> Path:
     from tests.checkpoints import random_hf_model, save_official_layout
 
-    return save_official_layout(random_hf_model(RANDOM_SHAPE, seed=0), dirpath)
+    # Stored in bf16 like released Qwen3.5 checkpoints (and the demo); both engines load it as fp32.
+    return save_official_layout(random_hf_model(RANDOM_SHAPE, seed=0).to(torch.bfloat16), dirpath)
 
 
 def load_hf(path: Path):
@@ -175,7 +176,8 @@ def table(rows: list[Row], n_cpus: int) -> str:
         "",
         f"Run {datetime.date.today().isoformat()} on {machine()}; "
         f"`torch.set_num_threads(1)` for both engines; transformers {transformers.__version__} "
-        "(its pure-torch GDN fallbacks); fp32; greedy, ignore_eos. Produced by `benchmarks/bench_engine.py`.",
+        "(its pure-torch GDN fallbacks); both checkpoints store bf16 weights, as released Qwen3.5 checkpoints "
+        "do, and both engines compute in fp32; greedy, ignore_eos. Produced by `benchmarks/bench_engine.py`.",
         "",
         "| checkpoint | workload | deltaserve | transformers | speedup |",
         "|---|---|---|---|---|",

@@ -25,7 +25,7 @@ from deltaserve.engine.scheduler import DECODE, VERIFY, Scheduler, SchedulerOutp
 from deltaserve.engine.spec_decode import SpecDecoder
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 from deltaserve.model.loader import load_model
-from deltaserve.ops.fused import FusedBuildError, FusedTrunk, supported
+from deltaserve.ops.fused import FusedBuildError, FusedMTP, FusedTrunk, supported
 from deltaserve.outputs import RequestOutput, SpecDecodeMetrics
 from deltaserve.sampling import SamplingParams
 
@@ -147,9 +147,10 @@ class LLMEngine:
         if k:
             spec = SpecDecoder(self.model, self.cache_tensors, self.cache, sampler, k, self.max_model_len)
             self.spec_metrics = SpecDecodeMetrics(accepted_per_position=[0] * k)
-        self.runner = ModelRunner(
-            self.model, self.cache_tensors, self.cache, sampler, spec, fused=self._fused_trunk()
-        )
+        fused = self._fused_trunk()
+        if fused is not None and spec is not None and len(self.model.mtp.layers) == 1:
+            spec.mtp_hidden = FusedMTP(self.model, self.cache_tensors)  # the draft passes in C++ too
+        self.runner = ModelRunner(self.model, self.cache_tensors, self.cache, sampler, spec, fused=fused)
         self.groups: dict[str, RequestGroup] = {}
         self.requests: dict[str, Request] = {}
         self._aborted_outputs: list[RequestOutput] = []
@@ -161,17 +162,17 @@ class LLMEngine:
         self.step_listeners: list[Callable[[SchedulerOutput], None]] = []
 
     def _fused_trunk(self) -> FusedTrunk | None:
-        """The C++ step for decode and verify steps, unless enforce_eager or the model cannot use it."""
+        """The C++ step for every cached forward, unless enforce_eager or the model cannot use it."""
         if self.config.enforce_eager:
             return None
         reason = supported(self.model, self.cache_tensors)
         if reason is not None:
-            log.info("decode steps run the Python model: %s (the fused step is float32 only)", reason)
+            log.info("steps run the Python model: %s (the fused step is float32 only)", reason)
             return None
         try:
             return FusedTrunk(self.model, self.cache_tensors)
         except FusedBuildError as e:
-            log.warning("%s; decode steps run the Python model instead", e)
+            log.warning("%s; steps run the Python model instead", e)
             return None
 
     def _model_path(self) -> Path:

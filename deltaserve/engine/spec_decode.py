@@ -73,7 +73,9 @@ class SpecDecoder:
         self.manager = manager
         self.sampler = sampler
         self.k = num_speculative_tokens
-        self.compute_logits = model.compute_logits  # the runner swaps in the fused step's projection
+        # The engine swaps in the fused step's versions of these two when it has them.
+        self.compute_logits = model.compute_logits
+        self.mtp_hidden = model.mtp_hidden
         self.max_model_len = max_model_len
 
     # ---- verification -----------------------------------------------------------------------------------
@@ -178,7 +180,7 @@ class SpecDecoder:
         if not rows:
             return
         mctx = make_context(qlens, clens, rids)
-        h = self.model.mtp_hidden(torch.tensor(tokens, dtype=torch.long), hidden[rows], mctx)  # [N, H]
+        h = self.mtp_hidden(torch.tensor(tokens, dtype=torch.long), hidden[rows], mctx)  # [N, H]
 
         drafters: list[Request] = []
         last_rows: list[int] = []
@@ -212,7 +214,7 @@ class SpecDecoder:
                 ctx_lens = [r.num_computed_tokens - 1 + j for r in reqs]
                 dctx = make_context([1] * len(reqs), ctx_lens, [r.request_id for r in reqs])
                 prev = torch.tensor([r.spec_token_ids[-1] for r in reqs], dtype=torch.long)
-                h = self.model.mtp_hidden(prev, h[keep], dctx, step=j)
+                h = self.mtp_hidden(prev, h[keep], dctx, step=j)
             self._sample_drafts([drafters[i] for i in active], self.compute_logits(h))
 
     def _num_drafts(self, req: Request) -> int:

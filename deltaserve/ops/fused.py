@@ -1,12 +1,14 @@
-"""The fused trunk step: the whole forward of a step made of short segments (decode tokens, speculative
-verify segments, short prompt tails) as one C++ call (csrc/fused_step.cpp), built on first use with the
-system C++ compiler and cached by torch. The Python model (deltaserve/model) is the reference; this only
-removes the per-op overhead that dominates a small model's decode step on a CPU.
+"""The fused step: the whole forward of the trunk (FusedTrunk) or of the MTP head (FusedMTP) for one engine
+step as one C++ call (csrc/fused_step.cpp), built on first use with the system C++ compiler and cached by
+torch. The Python model (deltaserve/model) is the reference; this removes the per-op overhead that dominates
+a small model's step on a CPU, and runs the GDN recurrence token by token in C++ (cheaper than the chunked
+form at these head sizes).
 
-Used only for fp32 weights and caches, text positions, no trace, every segment at most MAX_FUSED_TOKENS
-long; anything else runs the Python model. The projections that read the same input are fused into one
-weight (GDN q|k|v|z|b|a, attention q|k|v, MLP gate|up); the modules' own weights become views into it, so
-memory is not doubled and both paths read the same numbers.
+Used for fp32 weights and caches, text positions and no trace; anything else runs the Python model. The
+projections that read the same input are fused into one weight (GDN q|k|v|z|b|a, attention q|k|v, MLP
+gate|up); the modules' own weights become views into it, so memory is not doubled and both paths read the
+same numbers. Weights whose values are all bfloat16 numbers also keep a bf16 copy (half a weight's fp32
+bytes) that a step of a few rows streams instead of the fp32 weight.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from deltaserve.model.context import CacheTensors, ForwardContext
 
 log = logging.getLogger(__name__)
 
-MAX_FUSED_TOKENS = 16  # longer segments (prompt chunks) are faster as the Python model's batched kernels
 SOURCE = Path(__file__).parent / "csrc" / "fused_step.cpp"
 
 _lock = threading.Lock()
@@ -98,55 +99,62 @@ def supported(model: torch.nn.Module, cache: CacheTensors) -> str | None:
     return None
 
 
-class FusedTrunk:
-    """The trunk of a Qwen3_5ForCausalLM over a fixed cache, as the C++ step."""
+def _one_plus(norm: torch.nn.Module) -> torch.Tensor:
+    """The scale of a zero-centred RMSNorm: 1 + weight."""
+    return (1.0 + norm.weight.detach().float()).contiguous()
 
-    def __init__(self, model: torch.nn.Module, cache: CacheTensors) -> None:
+
+def _layer_tensors(layer: torch.nn.Module, cache: CacheTensors) -> list[torch.Tensor]:
+    """One decoder layer's tensors in the order FusedStack's constructor reads them."""
+    mlp = layer.mlp
+    tensors = [
+        _one_plus(layer.input_layernorm), _one_plus(layer.post_attention_layernorm),
+        *_linear(_fuse_rows([(mlp, "gate_proj"), (mlp, "up_proj")])), *_linear(mlp.down_proj.weight),
+    ]
+    if layer.layer_type == "linear_attention":
+        g = layer.linear_attn
+        in_proj = _fuse_rows([(g, "in_proj_qkv"), (g, "in_proj_z"), (g, "in_proj_b"), (g, "in_proj_a")])
+        return tensors + [
+            *_linear(in_proj),
+            g.conv1d.weight.detach()[:, 0, :].contiguous(),
+            (-g.A_log.detach().float().exp()).contiguous(),
+            g.dt_bias.detach().float().contiguous(),
+            g.norm.weight.detach().contiguous(),
+            *_linear(g.out_proj.weight),
+            cache.conv[layer.layer_id], cache.ssm[layer.layer_id],
+        ]
+    a = layer.self_attn
+    k_cache, v_cache = cache.kv[layer.layer_id]
+    return tensors + [
+        *_linear(_fuse_rows([(a, "q_proj"), (a, "k_proj"), (a, "v_proj")])),
+        _one_plus(a.q_norm), _one_plus(a.k_norm), *_linear(a.o_proj.weight), k_cache, v_cache,
+    ]
+
+
+class _FusedStack:
+    """Python side of the C++ FusedStack: builds its tensor list, runs it on a ForwardContext."""
+
+    def __init__(self, model: torch.nn.Module, cache: CacheTensors, embed: torch.Tensor, final_norm, prologue,
+                 layers) -> None:
         reason = supported(model, cache)
         if reason is not None:
             raise ValueError(f"the fused step cannot run this model: {reason}")
         ext = load_extension()
         cfg = model.config
-        text = model.model
-        one_plus = lambda norm: (1.0 + norm.weight.detach().float()).contiguous()  # noqa: E731
-        tensors = [text.embed_tokens.weight.detach(), one_plus(text.norm), text.rotary.inv_freq.contiguous()]
-        tensors += _linear(model.lm_head.weight)
-        is_gdn = []
         with torch.no_grad():
-            for layer in text.layers:
-                mlp = layer.mlp
-                tensors += [
-                    one_plus(layer.input_layernorm), one_plus(layer.post_attention_layernorm),
-                    *_linear(_fuse_rows([(mlp, "gate_proj"), (mlp, "up_proj")])), *_linear(mlp.down_proj.weight),
-                ]
-                if layer.layer_type == "linear_attention":
-                    g = layer.linear_attn
-                    in_proj = _fuse_rows([(g, "in_proj_qkv"), (g, "in_proj_z"), (g, "in_proj_b"), (g, "in_proj_a")])
-                    tensors += [
-                        *_linear(in_proj),
-                        g.conv1d.weight.detach()[:, 0, :].contiguous(),
-                        (-g.A_log.detach().float().exp()).contiguous(),
-                        g.dt_bias.detach().float().contiguous(),
-                        g.norm.weight.detach().contiguous(),
-                        *_linear(g.out_proj.weight),
-                        cache.conv[layer.layer_id], cache.ssm[layer.layer_id],
-                    ]
-                else:
-                    a = layer.self_attn
-                    k_cache, v_cache = cache.kv[layer.layer_id]
-                    tensors += [
-                        *_linear(_fuse_rows([(a, "q_proj"), (a, "k_proj"), (a, "v_proj")])),
-                        one_plus(a.q_norm), one_plus(a.k_norm), *_linear(a.o_proj.weight), k_cache, v_cache,
-                    ]
-                is_gdn.append(int(layer.layer_type == "linear_attention"))
+            tensors = [embed.detach(), _one_plus(final_norm), model.model.rotary.inv_freq.contiguous()]
+            tensors += _linear(model.lm_head.weight) + prologue
+            for layer in layers:
+                tensors += _layer_tensors(layer, cache)
         dims = [
             cfg.hidden_size, cfg.intermediate_size,
             cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
             cfg.linear_value_head_dim, cfg.conv_dim, cfg.linear_conv_kernel_dim,
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim,
         ]
-        self._impl = ext.FusedTrunk(tensors, is_gdn, dims, cfg.rms_norm_eps)
-        self.gdn_layer_ids = [layer.layer_id for layer in text.layers if layer.layer_type == "linear_attention"]
+        is_gdn = [int(layer.layer_type == "linear_attention") for layer in layers]
+        self._impl = ext.FusedStack(tensors, is_gdn, dims, cfg.rms_norm_eps, bool(prologue))
+        self.gdn_layer_ids = [layer.layer_id for layer in layers if layer.layer_type == "linear_attention"]
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         """The model's compute_logits, through the C++ projection (bf16-stored lm_head for a few rows)."""
@@ -156,22 +164,51 @@ class FusedTrunk:
 
     @staticmethod
     def eligible(ctx: ForwardContext) -> bool:
-        return (
-            ctx.cache is not None and ctx.trace is None and ctx.positions.dim() == 1
-            and max(ctx.query_lens, default=0) <= MAX_FUSED_TOKENS
-        )
+        return ctx.cache is not None and ctx.trace is None and ctx.positions.dim() == 1
 
-    def __call__(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Final-normed hidden states [T, H], like the model's forward; verify segments' per-position
-        GDN states go to ctx.spec_states in the layout GatedDeltaNet._verify leaves there."""
+    def _run(self, input_ids: torch.Tensor, ctx: ForwardContext, hidden_in: torch.Tensor) -> torch.Tensor:
         spec_index = torch.full((ctx.num_seqs,), -1, dtype=torch.long)
         spec_index[ctx.spec_seqs] = torch.arange(len(ctx.spec_seqs))
         width = max((ctx.query_lens[b] for b in ctx.spec_seqs), default=0)
         hidden, conv_states, ssm_states = self._impl.forward(
             input_ids, ctx.positions, torch.tensor(ctx.query_start_loc, dtype=torch.long),
             torch.tensor(ctx.context_lens, dtype=torch.long), ctx.block_tables, ctx.slot_mapping,
-            ctx.state_slots, spec_index, len(ctx.spec_seqs), width,
+            ctx.state_slots, spec_index, len(ctx.spec_seqs), width, hidden_in,
         )
         for layer_id, conv, ssm in zip(self.gdn_layer_ids, conv_states, ssm_states):
             ctx.spec_states[layer_id] = (conv, ssm)
         return hidden
+
+
+class FusedTrunk(_FusedStack):
+    """The trunk of a Qwen3_5ForCausalLM over a fixed cache, as one C++ call per step."""
+
+    def __init__(self, model: torch.nn.Module, cache: CacheTensors) -> None:
+        text = model.model
+        super().__init__(model, cache, text.embed_tokens.weight, text.norm, [], list(text.layers))
+
+    def __call__(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Final-normed hidden states [T, H], like the model's forward; verify segments' per-position
+        GDN states go to ctx.spec_states in the layout GatedDeltaNet._verify leaves there."""
+        return self._run(input_ids, ctx, _NO_HIDDEN)
+
+
+class FusedMTP(_FusedStack):
+    """The MTP head (one layer) as one C++ call per draft pass: Qwen3_5ForCausalLM.mtp_hidden."""
+
+    def __init__(self, model: torch.nn.Module, cache: CacheTensors) -> None:
+        mtp = model.mtp
+        if mtp is None or len(mtp.layers) != 1:
+            raise ValueError("the fused MTP head needs a model with exactly one MTP layer")
+        embed = mtp.embed_tokens if mtp.embed_tokens is not None else model.model.embed_tokens
+        prologue = _linear(mtp.fc.weight) + [_one_plus(mtp.pre_fc_norm_embedding), _one_plus(mtp.pre_fc_norm_hidden)]
+        super().__init__(model, cache, embed.weight, mtp.norm, prologue, list(mtp.layers))
+
+    def __call__(
+        self, next_token_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, step: int = 0
+    ) -> torch.Tensor:
+        """MTP hidden [T, H] from trunk (or previous MTP) hidden at t and token t+1."""
+        return self._run(next_token_ids, ctx, hidden)
+
+
+_NO_HIDDEN = torch.empty(0)

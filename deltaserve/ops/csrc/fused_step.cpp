@@ -1,7 +1,8 @@
-// The whole trunk forward for steps of short segments (decode tokens, speculative verify segments, small
-// prompt tails) in one C++ call: the matmuls go to ATen (MKL), everything between them is one loop nest per
-// token and head instead of a few hundred small torch ops. Same maths as deltaserve/model/*.py, which stays
-// the reference (tests/test_fused_step.py holds the two together). fp32 weights, activations and caches.
+// The whole forward of the trunk (or of the MTP head) for one engine step in one C++ call: projections go
+// to ATen's GEMM (MKL) or, for a few rows of bf16-valued weights, to a loop that streams the weights once;
+// everything between them is one loop nest per token and head instead of a few hundred small torch ops.
+// Same maths as deltaserve/model/*.py, which stays the reference (tests/test_fused_step.py holds the two
+// together). fp32 weights, activations and caches.
 //
 // Layout of the flat batch: B sequences, sequence b owns tokens qsl[b] .. qsl[b+1]-1, each token t at
 // rotary/KV position positions[t]. A sequence with context_lens[b] == 0 starts its GDN state from zeros.
@@ -28,6 +29,19 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// In-place softmax of one row of n scores.
+inline void softmax_row(float* x, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i]);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - mx);
+    sum += x[i];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
 
 // out = x * rsqrt(mean(x^2) + eps) * scale, for one row of n.
@@ -71,6 +85,8 @@ struct Linear {
 // Up to this many rows, stream the bf16 weight once and reuse each converted row for every input row;
 // more rows go to MKL's fp32 GEMM, which is compute bound there and wins.
 constexpr int64_t kSmallRows = 8;
+// Segments longer than this attend through torch's fused attention kernel; shorter ones in a plain loop.
+constexpr int64_t kShortSegment = 16;
 
 // y [T, N] = x [T, K] @ w^T with w as bf16 values; each product and the fp32 accumulation are as in the
 // fp32 GEMM (only the summation order differs).
@@ -139,34 +155,41 @@ struct Batch {
   int64_t spec_rows, spec_width;
 };
 
-class FusedTrunk {
+// A stack of decoder layers between an input and a final norm: the trunk (input: token embeddings), or the
+// MTP head (input: fc(cat[norm(embedding of token t+1), norm(trunk hidden at t)])).
+class FusedStack {
  public:
-  FusedTrunk(std::vector<at::Tensor> tensors, std::vector<int64_t> layer_is_gdn, std::vector<int64_t> dims,
-             double eps)
+  FusedStack(std::vector<at::Tensor> tensors, std::vector<int64_t> layer_is_gdn, std::vector<int64_t> dims,
+             double eps, bool mtp)
       : d_{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7],
            dims[8], dims[9], dims[10], dims[11], static_cast<float>(eps)} {
     size_t i = 0;
     auto next = [&]() {
-      TORCH_CHECK(i < tensors.size(), "FusedTrunk: too few tensors");
+      TORCH_CHECK(i < tensors.size(), "FusedStack: too few tensors");
       at::Tensor t = tensors[i++];
-      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "FusedTrunk: tensor ", i - 1,
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "FusedStack: tensor ", i - 1,
                   " must be contiguous float32");
       return t;
     };
     // a projection: its fp32 weight, then its bf16 copy or an empty tensor when the values are not bf16
     auto linear = [&]() {
       at::Tensor w = next();
-      TORCH_CHECK(i < tensors.size(), "FusedTrunk: too few tensors");
+      TORCH_CHECK(i < tensors.size(), "FusedStack: too few tensors");
       at::Tensor w16 = tensors[i++];
       if (w16.numel() == 0) return Linear{w, at::Tensor()};
       TORCH_CHECK(w16.scalar_type() == at::kBFloat16 && w16.is_contiguous() && w16.sizes() == w.sizes(),
-                  "FusedTrunk: tensor ", i - 1, " must be the bf16 copy of the weight before it");
+                  "FusedStack: tensor ", i - 1, " must be the bf16 copy of the weight before it");
       return Linear{w, w16};
     };
     embed_ = next();
     final_scale_ = next();
     inv_freq_ = next();
     lm_head_ = linear();
+    if (mtp) {
+      fc_ = linear();
+      pre_embed_scale_ = next();
+      pre_hidden_scale_ = next();
+    }
     for (int64_t is_gdn : layer_is_gdn) {
       Layer l;
       l.gdn = is_gdn != 0;
@@ -193,7 +216,7 @@ class FusedTrunk {
       }
       layers_.push_back(std::move(l));
     }
-    TORCH_CHECK(i == tensors.size(), "FusedTrunk: ", tensors.size() - i, " tensors left over");
+    TORCH_CHECK(i == tensors.size(), "FusedStack: ", tensors.size() - i, " tensors left over");
   }
 
   // Returns the final-normed hidden states [T, hidden] and, per GDN layer, the per-position conv
@@ -202,16 +225,17 @@ class FusedTrunk {
   std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> forward(
       const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& qsl,
       const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& slot_mapping,
-      const at::Tensor& state_slots, const at::Tensor& spec_index, int64_t spec_rows, int64_t spec_width) {
+      const at::Tensor& state_slots, const at::Tensor& spec_index, int64_t spec_rows, int64_t spec_width,
+      const at::Tensor& hidden_in) {
     for (const at::Tensor* t : {&input_ids, &positions, &qsl, &context_lens, &block_tables, &slot_mapping,
                                 &state_slots, &spec_index}) {
-      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "FusedTrunk: index tensors are int64");
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "FusedStack: index tensors are int64");
     }
     Batch bt{input_ids.size(0), context_lens.size(0), positions.data_ptr<int64_t>(), qsl.data_ptr<int64_t>(),
              context_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
              slot_mapping.data_ptr<int64_t>(), state_slots.data_ptr<int64_t>(),
              spec_index.data_ptr<int64_t>(), block_tables.size(1), spec_rows, spec_width};
-    TORCH_CHECK(positions.dim() == 1, "FusedTrunk: text positions only ([T])");
+    TORCH_CHECK(positions.dim() == 1, "FusedStack: text positions only ([T])");
 
     // cos/sin [T, half] from positions * inv_freq, as RotaryEmbedding.cos_sin computes them.
     const int64_t half = d_.rotary_dim / 2;
@@ -227,6 +251,13 @@ class FusedTrunk {
 
     std::vector<at::Tensor> spec_conv, spec_ssm;
     at::Tensor x = embed_.index_select(0, input_ids);  // [T, hidden]
+    if (fc_.w.defined()) {
+      TORCH_CHECK(hidden_in.sizes() == x.sizes() && hidden_in.scalar_type() == at::kFloat,
+                  "FusedStack: the MTP head needs the trunk hidden of every token, [T, hidden] float32");
+      at::Tensor both = at::cat({rms_norm_rows(x, pre_embed_scale_, d_.eps),
+                                 rms_norm_rows(hidden_in.contiguous(), pre_hidden_scale_, d_.eps)}, 1);
+      x = apply(fc_, both);
+    }
     for (Layer& l : layers_) {
       at::Tensor h = rms_norm_rows(x, l.in_scale, d_.eps);
       at::Tensor mix;
@@ -409,57 +440,86 @@ class FusedTrunk {
       std::memcpy(v_cache + slot * row_size, k + row_size, row_size * sizeof(float));
     }
 
-    // 2. each query token attends to positions 0 .. its own, read through its sequence's block table
+    // 2. each query token attends to positions 0 .. its own, read through its sequence's block table:
+    // long segments (prompt chunks) through torch's fused attention kernel, short ones in a loop per
+    // (token, kv head) that reads each cached K/V row once for all the query heads of its group.
     at::Tensor attn = at::empty({bt.T, nh * hd}, h.options());
     float* ap = attn.data_ptr<float>();
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    auto row_of = [&](const int64_t* table, int64_t j) { return table[j / block_size] * block_size + j % block_size; };
+    for (int64_t b = 0; b < bt.B; ++b) {
+      const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
+      if (n <= kShortSegment) continue;
+      const int64_t L = bt.positions[t0 + n - 1] + 1;
+      const int64_t* table = bt.block_tables + b * bt.table_width;
+      at::Tensor rows = at::empty({L}, at::kLong);
+      int64_t* rp = rows.data_ptr<int64_t>();
+      for (int64_t j = 0; j < L; ++j) rp[j] = row_of(table, j);
+      auto gather = [&](const at::Tensor& cache) {  // [1, nkv, L, hd]
+        return cache.view({-1, nkv, hd}).index_select(0, rows).transpose(0, 1).unsqueeze(0);
+      };
+      at::Tensor q = proj.narrow(0, t0, n).narrow(1, 0, q_width).view({n, nh, 2 * hd}).narrow(2, 0, hd);
+      std::optional<at::Tensor> mask;  // the n queries are the last n of the L positions
+      if (L != n) mask = at::arange(L).unsqueeze(0) <= at::arange(L - n, L).unsqueeze(1);
+      at::Tensor out = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), gather(w.k_cache),
+                                                        gather(w.v_cache), mask, 0.0, L == n, scale, true);
+      attn.narrow(0, t0, n).view({n, nh, hd}).copy_(out[0].transpose(0, 1));
+    }
     at::parallel_for(0, bt.B, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<float> scores;
+      std::vector<float> probs;  // [group, L]
       for (int64_t b = b0; b < b1; ++b) {
+        const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
+        if (n > kShortSegment) continue;
         const int64_t* table = bt.block_tables + b * bt.table_width;
-        for (int64_t t = bt.qsl[b]; t < bt.qsl[b + 1]; ++t) {
+        for (int64_t t = t0; t < t0 + n; ++t) {
           const int64_t L = bt.positions[t] + 1;
-          scores.resize(L);
-          for (int64_t hh = 0; hh < nh; ++hh) {
-            const float* q = pp + t * width + hh * 2 * hd;
-            const float* gate = q + hd;
-            const int64_t kv_off = (hh / group) * hd;
-            float mx = -INFINITY;
+          probs.resize(group * L);
+          for (int64_t kvh = 0; kvh < nkv; ++kvh) {
+            const float* q0 = pp + t * width + kvh * group * 2 * hd;  // head g of the group: q0 + g * 2hd
             for (int64_t j = 0; j < L; ++j) {
-              const int64_t r = table[j / block_size] * block_size + j % block_size;
-              scores[j] = dot(q, k_cache + r * row_size + kv_off, hd) * scale;
-              mx = std::max(mx, scores[j]);
+              const float* k = k_cache + row_of(table, j) * row_size + kvh * hd;
+              for (int64_t g = 0; g < group; ++g) probs[g * L + j] = dot(q0 + g * 2 * hd, k, hd) * scale;
             }
-            float* o = ap + t * nh * hd + hh * hd;
-            std::fill(o, o + hd, 0.0f);
-            float sum = 0.0f;
+            for (int64_t g = 0; g < group; ++g) softmax_row(probs.data() + g * L, L);
+            float* o0 = ap + t * nh * hd + kvh * group * hd;
+            std::fill(o0, o0 + group * hd, 0.0f);
             for (int64_t j = 0; j < L; ++j) {
-              const float p = std::exp(scores[j] - mx);
-              sum += p;
-              const float* v = v_cache + (table[j / block_size] * block_size + j % block_size) * row_size + kv_off;
+              const float* v = v_cache + row_of(table, j) * row_size + kvh * hd;
+              for (int64_t g = 0; g < group; ++g) {
+                float* o = o0 + g * hd;
+                const float p = probs[g * L + j];
 #pragma omp simd
-              for (int64_t e = 0; e < hd; ++e) o[e] += p * v[e];
+                for (int64_t e = 0; e < hd; ++e) o[e] += p * v[e];
+              }
             }
-            const float inv = 1.0f / sum;
-            for (int64_t e = 0; e < hd; ++e) o[e] = o[e] * inv * sigmoid(gate[e]);
           }
         }
       }
     });
+    // output gate: attn * sigmoid(gate), the gate being the second half of each head's q_proj rows
+    for (int64_t t = 0; t < bt.T; ++t) {
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        float* o = ap + (t * nh + hh) * hd;
+        const float* gate = pp + t * width + hh * 2 * hd + hd;
+        for (int64_t e = 0; e < hd; ++e) o[e] *= sigmoid(gate[e]);
+      }
+    }
     return apply(w.o_w, attn);
   }
 
   Dims d_;
   at::Tensor embed_, final_scale_, inv_freq_;
   Linear lm_head_;
+  Linear fc_;  // MTP head only, with the two pre-fc norm scales
+  at::Tensor pre_embed_scale_, pre_hidden_scale_;
   std::vector<Layer> layers_;
 };
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<FusedTrunk>(m, "FusedTrunk")
-      .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, double>())
-      .def("forward", &FusedTrunk::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("logits", &FusedTrunk::logits, pybind11::call_guard<pybind11::gil_scoped_release>());
+  pybind11::class_<FusedStack>(m, "FusedStack")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, double, bool>())
+      .def("forward", &FusedStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("logits", &FusedStack::logits, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
