@@ -80,13 +80,21 @@ def _fuse_rows(modules_and_names: list[tuple[torch.nn.Module, str]]) -> torch.Te
     return fused
 
 
+PANEL = 64  # outputs per bf16 panel (kPanel in the C++)
+
+
 def _linear(weight: torch.Tensor) -> list[torch.Tensor]:
-    """A projection for the C++ step: the fp32 weight and, when all its values are bfloat16 numbers (a bf16
-    checkpoint computed in fp32), a bf16 copy that streams half the bytes for identical products."""
+    """A projection for the C++ step: the fp32 weight [N, K] and, when all its values are bfloat16 numbers
+    (a bf16 checkpoint computed in fp32), the same values as bf16 panels [ceil(N/64), K, 64], which a step
+    of a few rows streams instead (half the bytes, identical products); else an empty tensor."""
     weight = weight.detach()
     as_bf16 = weight.to(torch.bfloat16)
-    exact = torch.equal(as_bf16.float(), weight)
-    return [weight, as_bf16 if exact else torch.empty(0)]
+    if not torch.equal(as_bf16.float(), weight):
+        return [weight, torch.empty(0)]
+    N, K = weight.shape
+    P = -(-N // PANEL)
+    padded = torch.cat([as_bf16, as_bf16.new_zeros(P * PANEL - N, K)])
+    return [weight, padded.view(P, PANEL, K).transpose(1, 2).contiguous()]
 
 
 def supported(model: torch.nn.Module, cache: CacheTensors) -> str | None:

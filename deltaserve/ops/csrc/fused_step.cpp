@@ -20,8 +20,26 @@
 
 namespace {
 
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
-inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+// exp(x) for fp32 as Cephes computes it (x = n ln2 + r, a degree-6 polynomial for e^r, times 2^n): within
+// 2 ulp of the libm value, and written without calls or branches so that loops using it vectorize.
+inline float vexp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+inline float silu(float x) { return x / (1.0f + vexp(-x)); }
+inline float sigmoid(float x) { return 1.0f / (1.0f + vexp(-x)); }
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -36,8 +54,9 @@ inline void softmax_row(float* x, int64_t n) {
   float mx = -INFINITY;
   for (int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i]);
   float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
-    x[i] = std::exp(x[i] - mx);
+    x[i] = vexp(x[i] - mx);
     sum += x[i];
   }
   const float inv = 1.0f / sum;
@@ -77,39 +96,67 @@ inline float bf16_to_float(uint16_t v) {
 }
 
 // A projection's weight [N, K] in fp32, and, when every value is exactly a bfloat16 (a bf16 checkpoint
-// computed in fp32), the same values stored as bf16: half the bytes to stream for the same products.
+// computed in fp32), the same values as bf16 panels [ceil(N/64), K, 64] (rows padded with zeros): half the
+// bytes to stream, laid out so that a panel of 64 outputs is read front to back.
+constexpr int64_t kPanel = 64;
 struct Linear {
-  at::Tensor w, w16;
+  at::Tensor w, panels;
 };
 
-// Up to this many rows, stream the bf16 weight once and reuse each converted row for every input row;
-// more rows go to MKL's fp32 GEMM, which is compute bound there and wins.
-constexpr int64_t kSmallRows = 8;
+// Up to this many rows the panel kernel beats MKL's fp32 GEMM on these shapes (measured 48 vs 15-34
+// GMAC/s); from about 64 rows MKL is as fast, and it needs no bf16 values.
+constexpr int64_t kPanelRows = 48;
+
 // Segments longer than this attend through torch's fused attention kernel; shorter ones in a plain loop.
 constexpr int64_t kShortSegment = 16;
 
-// y [T, N] = x [T, K] @ w^T with w as bf16 values; each product and the fp32 accumulation are as in the
-// fp32 GEMM (only the summation order differs).
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w16) {
-  const int64_t T = x.size(0), K = x.size(1), N = w16.size(0);
+// R input rows times one panel: R x 64 fp32 accumulators in registers, each weight converted once (exactly:
+// bf16 is the top half of an fp32) and used for all R rows. The products and the fp32 accumulation are the
+// GEMM's; only the summation order differs.
+template <int R>
+void panel_rows(const float* x, int64_t K, const uint16_t* panel, float* y, int64_t ldy, int64_t ncols) {
+  float acc[R][kPanel] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    float w[kPanel];
+#pragma omp simd
+    for (int j = 0; j < kPanel; ++j) w[j] = bf16_to_float(panel[k * kPanel + j]);
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * K + k];
+#pragma omp simd
+      for (int j = 0; j < kPanel; ++j) acc[r][j] += xv * w[j];
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], ncols * sizeof(float));
+}
+
+// y [T, N] = x [T, K] @ w^T from the bf16 panels.
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
+  const int64_t T = x.size(0), K = x.size(1), P = panels.size(0);
   at::Tensor y = at::empty({T, N}, x.options());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w16.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    std::vector<float> row(K);
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint16_t* wr = wp + n * K;
-#pragma omp simd
-      for (int64_t k = 0; k < K; ++k) row[k] = bf16_to_float(wr[k]);
-      for (int64_t t = 0; t < T; ++t) yp[t * N + n] = dot(row.data(), xp + t * K, K);
+  at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint16_t* panel = wp + p * K * kPanel;
+      const int64_t n0 = p * kPanel, ncols = std::min(kPanel, N - n0);
+      for (int64_t t = 0; t < T; t += 4) {
+        const float* xt = xp + t * K;
+        float* yt = yp + t * N + n0;
+        switch (std::min<int64_t>(4, T - t)) {
+          case 1: panel_rows<1>(xt, K, panel, yt, N, ncols); break;
+          case 2: panel_rows<2>(xt, K, panel, yt, N, ncols); break;
+          case 3: panel_rows<3>(xt, K, panel, yt, N, ncols); break;
+          default: panel_rows<4>(xt, K, panel, yt, N, ncols); break;
+        }
+      }
     }
   });
   return y;
 }
 
 at::Tensor apply(const Linear& l, const at::Tensor& x) {
-  if (l.w16.defined() && x.size(0) <= kSmallRows) return linear_bf16(x, l.w16);
+  if (l.panels.defined() && x.size(0) <= kPanelRows) return linear_panels(x, l.panels, l.w.size(0));
   return at::linear(x, l.w);
 }
 
@@ -171,15 +218,17 @@ class FusedStack {
                   " must be contiguous float32");
       return t;
     };
-    // a projection: its fp32 weight, then its bf16 copy or an empty tensor when the values are not bf16
+    // a projection: its fp32 weight, then its bf16 panels or an empty tensor when the values are not bf16
     auto linear = [&]() {
       at::Tensor w = next();
       TORCH_CHECK(i < tensors.size(), "FusedStack: too few tensors");
-      at::Tensor w16 = tensors[i++];
-      if (w16.numel() == 0) return Linear{w, at::Tensor()};
-      TORCH_CHECK(w16.scalar_type() == at::kBFloat16 && w16.is_contiguous() && w16.sizes() == w.sizes(),
-                  "FusedStack: tensor ", i - 1, " must be the bf16 copy of the weight before it");
-      return Linear{w, w16};
+      at::Tensor panels = tensors[i++];
+      if (panels.numel() == 0) return Linear{w, at::Tensor()};
+      TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() && panels.dim() == 3 &&
+                      panels.size(0) * kPanel >= w.size(0) && panels.size(1) == w.size(1) &&
+                      panels.size(2) == kPanel,
+                  "FusedStack: tensor ", i - 1, " must be the bf16 panels of the weight before it");
+      return Linear{w, panels};
     };
     embed_ = next();
     final_scale_ = next();
@@ -343,7 +392,19 @@ class FusedStack {
           }
           const float* xin = pp + t * width;
           // causal depthwise conv over [state | x_t], then SiLU; the state shifts by one
-          for (int64_t c = 0; c < C; ++c) {
+          if (K == 4) {  // the models' kernel size: fixed taps let this loop vectorize
+#pragma omp simd
+            for (int64_t c = 0; c < C; ++c) {
+              float* st = conv + c * 3;
+              const float* wc = cw + c * 4;
+              const float s0 = st[0], s1 = st[1], s2 = st[2], xc = xin[c];
+              st[0] = s1;
+              st[1] = s2;
+              st[2] = xc;
+              mixed[c] = silu(s0 * wc[0] + s1 * wc[1] + s2 * wc[2] + xc * wc[3]);
+            }
+          } else {
+            for (int64_t c = 0; c < C; ++c) {
             float* st = conv + c * (K - 1);
             const float* wc = cw + c * K;
             float acc = 0.0f;
@@ -352,12 +413,14 @@ class FusedStack {
             for (int64_t j = 0; j + 1 < K - 1; ++j) st[j] = st[j + 1];
             st[K - 2] = xin[c];
             mixed[c] = silu(acc);
+            }
           }
           // L2-normalise q and k per key head (q also scaled by dk^-1/2)
           for (int64_t kh = 0; kh < 2 * d_.hk; ++kh) {
             float* v = mixed.data() + kh * dk;
             float r = 1.0f / std::sqrt(dot(v, v, dk) + 1e-6f);
             if (kh < d_.hk) r *= q_scale;
+#pragma omp simd
             for (int64_t j = 0; j < dk; ++j) v[j] *= r;
           }
           const float* z = xin + C;
@@ -371,17 +434,16 @@ class FusedStack {
             const float beta = sigmoid(braw[hv]);
             const float decay = std::exp(neg_a[hv] * softplus(araw[hv] + dt_bias[hv]));
             float* Sh = S + hv * dk * dv;
+            // kv_mem = (decay S)^T k, reading S once; the decay is applied in the update pass below
             std::fill(kv_mem.begin(), kv_mem.end(), 0.0f);
             for (int64_t a = 0; a < dk; ++a) {
-              float* Sa = Sh + a * dv;
+              const float* Sa = Sh + a * dv;
               const float ka = k[a];
 #pragma omp simd
-              for (int64_t j = 0; j < dv; ++j) {
-                Sa[j] *= decay;
-                kv_mem[j] += Sa[j] * ka;
-              }
+              for (int64_t j = 0; j < dv; ++j) kv_mem[j] += Sa[j] * ka;
             }
-            for (int64_t j = 0; j < dv; ++j) u[j] = beta * (v[j] - kv_mem[j]);
+#pragma omp simd
+            for (int64_t j = 0; j < dv; ++j) u[j] = beta * (v[j] - decay * kv_mem[j]);
             float* o = o_t + hv * dv;
             std::fill(o, o + dv, 0.0f);
             for (int64_t a = 0; a < dk; ++a) {
@@ -389,13 +451,14 @@ class FusedStack {
               const float ka = k[a], qa = q[a];
 #pragma omp simd
               for (int64_t j = 0; j < dv; ++j) {
-                Sa[j] += ka * u[j];
+                Sa[j] = Sa[j] * decay + ka * u[j];
                 o[j] += Sa[j] * qa;
               }
             }
             // gated RMSNorm: o * rsqrt(mean(o^2) + eps) * w * silu(z)
             const float r = 1.0f / std::sqrt(dot(o, o, dv) / static_cast<float>(dv) + d_.eps);
             const float* zh = z + hv * dv;
+#pragma omp simd
             for (int64_t j = 0; j < dv; ++j) o[j] = o[j] * r * norm_w[j] * silu(zh[j]);
           }
         }
@@ -467,24 +530,27 @@ class FusedStack {
     }
     at::parallel_for(0, bt.B, 1, [&](int64_t b0, int64_t b1) {
       std::vector<float> probs;  // [group, L]
+      std::vector<int64_t> rows;   // cache row of each position of the sequence
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
         if (n > kShortSegment) continue;
         const int64_t* table = bt.block_tables + b * bt.table_width;
+        rows.resize(bt.positions[t0 + n - 1] + 1);
+        for (int64_t j = 0; j < static_cast<int64_t>(rows.size()); ++j) rows[j] = row_of(table, j) * row_size;
         for (int64_t t = t0; t < t0 + n; ++t) {
           const int64_t L = bt.positions[t] + 1;
           probs.resize(group * L);
           for (int64_t kvh = 0; kvh < nkv; ++kvh) {
             const float* q0 = pp + t * width + kvh * group * 2 * hd;  // head g of the group: q0 + g * 2hd
             for (int64_t j = 0; j < L; ++j) {
-              const float* k = k_cache + row_of(table, j) * row_size + kvh * hd;
+              const float* k = k_cache + rows[j] + kvh * hd;
               for (int64_t g = 0; g < group; ++g) probs[g * L + j] = dot(q0 + g * 2 * hd, k, hd) * scale;
             }
             for (int64_t g = 0; g < group; ++g) softmax_row(probs.data() + g * L, L);
             float* o0 = ap + t * nh * hd + kvh * group * hd;
             std::fill(o0, o0 + group * hd, 0.0f);
             for (int64_t j = 0; j < L; ++j) {
-              const float* v = v_cache + row_of(table, j) * row_size + kvh * hd;
+              const float* v = v_cache + rows[j] + kvh * hd;
               for (int64_t g = 0; g < group; ++g) {
                 float* o = o0 + g * hd;
                 const float p = probs[g * L + j];
