@@ -21,8 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def text_checkpoint(path: Path, seed: int = 3) -> Path:
-    """A random TINY model over the demo tokenizer's 8192 ids, with that tokenizer copied in."""
-    save_official_layout(random_hf_model(dict(TINY, vocab_size=8192), seed=seed), path)
+    """A random TINY model over the demo tokenizer's 8192 ids (and 4096 positions, so that a request can
+    run long enough to be interrupted), with that tokenizer copied in."""
+    shape = dict(TINY, vocab_size=8192, max_position_embeddings=4096)
+    save_official_layout(random_hf_model(shape, seed=seed), path)
     for f in DEMO_DIR.iterdir():
         if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
             shutil.copy(f, path / f.name)

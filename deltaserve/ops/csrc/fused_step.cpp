@@ -63,6 +63,36 @@ inline void softmax_row(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
 
+// out[g] = sum_j probs[g, j] v_j for the G query heads of one KV head, v_j = v_base + rows[j]: 16 output
+// dims of every head at a time stay in registers while the positions stream by, each V row read once.
+constexpr int64_t kMaxGroup = 8;
+inline void probs_times_v(const float* probs, int64_t L, int64_t G, const float* v_base, const int64_t* rows,
+                          int64_t hd, float* out) {
+  if (G > kMaxGroup || hd % 16 != 0) {  // plain loop for shapes the register tile does not cover
+    std::fill(out, out + G * hd, 0.0f);
+    for (int64_t j = 0; j < L; ++j) {
+      const float* v = v_base + rows[j];
+      for (int64_t g = 0; g < G; ++g) {
+#pragma omp simd
+        for (int64_t e = 0; e < hd; ++e) out[g * hd + e] += probs[g * L + j] * v[e];
+      }
+    }
+    return;
+  }
+  for (int64_t e0 = 0; e0 < hd; e0 += 16) {
+    float acc[kMaxGroup][16] = {};
+    for (int64_t j = 0; j < L; ++j) {
+      const float* v = v_base + rows[j] + e0;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = probs[g * L + j];
+#pragma omp simd
+        for (int l = 0; l < 16; ++l) acc[g][l] += p * v[l];
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) std::memcpy(out + g * hd + e0, acc[g], 16 * sizeof(float));
+  }
+}
+
 // out = x * rsqrt(mean(x^2) + eps) * scale, for one row of n.
 inline void rms_norm_row(const float* x, const float* scale, float eps, int64_t n, float* out) {
   const float r = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
@@ -548,16 +578,7 @@ class FusedStack {
             }
             for (int64_t g = 0; g < group; ++g) softmax_row(probs.data() + g * L, L);
             float* o0 = ap + t * nh * hd + kvh * group * hd;
-            std::fill(o0, o0 + group * hd, 0.0f);
-            for (int64_t j = 0; j < L; ++j) {
-              const float* v = v_cache + rows[j] + kvh * hd;
-              for (int64_t g = 0; g < group; ++g) {
-                float* o = o0 + g * hd;
-                const float p = probs[g * L + j];
-#pragma omp simd
-                for (int64_t e = 0; e < hd; ++e) o[e] += p * v[e];
-              }
-            }
+            probs_times_v(probs.data(), L, group, v_cache + kvh * hd, rows.data(), hd, o0);
           }
         }
       }
