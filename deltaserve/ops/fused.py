@@ -170,6 +170,16 @@ class _FusedStack:
             hidden = hidden[rows]
         return self._impl.logits(hidden.float())
 
+    PROFILE_PARTS = ("projections", "gdn_conv_and_recurrence", "attention", "forward")
+
+    def set_profiling(self, on: bool) -> None:
+        """While on, every forward adds the seconds spent in each of PROFILE_PARTS to the profile."""
+        self._impl.set_profiling(on)
+
+    def profile(self) -> dict[str, float]:
+        """Seconds per part since the last call (projections include the lm_head's logits)."""
+        return dict(zip(self.PROFILE_PARTS, self._impl.profile(), strict=True))
+
     @staticmethod
     def eligible(ctx: ForwardContext) -> bool:
         return ctx.cache is not None and ctx.trace is None and ctx.positions.dim() == 1

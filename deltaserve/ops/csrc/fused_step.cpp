@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -190,6 +192,20 @@ at::Tensor apply(const Linear& l, const at::Tensor& x) {
   return at::linear(x, l.w);
 }
 
+// Adds the wall time of its scope to *slot (when slot is not null): the step profile (FusedStack::profile).
+class Timed {
+ public:
+  explicit Timed(double* slot) : slot_(slot), start_(slot ? std::chrono::steady_clock::now() : Clock::time_point()) {}
+  ~Timed() {
+    if (slot_) *slot_ += std::chrono::duration<double>(Clock::now() - start_).count();
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  double* slot_;
+  Clock::time_point start_;
+};
+
 struct Dims {
   int64_t hidden, intermediate;
   int64_t hk, hv, dk, dv, conv_dim, kernel;  // Gated DeltaNet
@@ -315,6 +331,7 @@ class FusedStack {
              slot_mapping.data_ptr<int64_t>(), state_slots.data_ptr<int64_t>(),
              spec_index.data_ptr<int64_t>(), block_tables.size(1), spec_rows, spec_width};
     TORCH_CHECK(positions.dim() == 1, "FusedStack: text positions only ([T])");
+    Timed whole(slot(kForward));
 
     // cos/sin [T, half] from positions * inv_freq, as RotaryEmbedding.cos_sin computes them.
     const int64_t half = d_.rotary_dim / 2;
@@ -335,7 +352,7 @@ class FusedStack {
                   "FusedStack: the MTP head needs the trunk hidden of every token, [T, hidden] float32");
       at::Tensor both = at::cat({rms_norm_rows(x, pre_embed_scale_, d_.eps),
                                  rms_norm_rows(hidden_in.contiguous(), pre_hidden_scale_, d_.eps)}, 1);
-      x = apply(fc_, both);
+      x = project(fc_, both);
     }
     for (Layer& l : layers_) {
       at::Tensor h = rms_norm_rows(x, l.in_scale, d_.eps);
@@ -353,7 +370,7 @@ class FusedStack {
         mix = attention(l.a, h, bt, cos.data(), sin.data());
       }
       x.add_(mix);
-      at::Tensor gu = apply(l.gate_up_w, rms_norm_rows(x, l.post_scale, d_.eps));  // [T, 2I]
+      at::Tensor gu = project(l.gate_up_w, rms_norm_rows(x, l.post_scale, d_.eps));  // [T, 2I]
       const int64_t I = d_.intermediate;
       at::Tensor act = at::empty({bt.T, I}, x.options());
       const float* gp = gu.data_ptr<float>();
@@ -361,21 +378,38 @@ class FusedStack {
       for (int64_t t = 0; t < bt.T; ++t) {
         for (int64_t j = 0; j < I; ++j) ap[t * I + j] = silu(gp[t * 2 * I + j]) * gp[t * 2 * I + I + j];
       }
-      x.add_(apply(l.down_w, act));
+      x.add_(project(l.down_w, act));
     }
     return {rms_norm_rows(x, final_scale_, d_.eps), spec_conv, spec_ssm};
   }
 
   // fp32 logits [R, vocab] of final-normed hidden rows [R, hidden]
-  at::Tensor logits(const at::Tensor& hidden) { return apply(lm_head_, hidden.contiguous()); }
+  at::Tensor logits(const at::Tensor& hidden) { return project(lm_head_, hidden.contiguous()); }
+
+  // While on, forward() adds the seconds it spends in each part to the profile; profile() returns and
+  // clears {projections, GDN conv + recurrence, attention, whole forward}.
+  void set_profiling(bool on) { profiling_ = on; }
+  std::vector<double> profile() {
+    std::vector<double> out(spent_.begin(), spent_.end());
+    spent_.fill(0.0);
+    return out;
+  }
 
  private:
+  enum Part { kProjections, kRecurrence, kAttention, kForward, kParts };
+  double* slot(Part part) { return profiling_ ? &spent_[part] : nullptr; }
+
+  at::Tensor project(const Linear& l, const at::Tensor& x) {
+    Timed timed(slot(kProjections));
+    return apply(l, x);
+  }
+
   at::Tensor gdn(const GdnWeights& w, const at::Tensor& h, const Batch& bt, at::Tensor& spec_conv,
                  at::Tensor& spec_ssm) {
     const int64_t C = d_.conv_dim, K = d_.kernel, Hv = d_.hv, dk = d_.dk, dv = d_.dv;
     const int64_t key_dim = d_.hk * dk, value_dim = Hv * dv, rep = Hv / d_.hk;
     const int64_t width = C + value_dim + 2 * Hv;  // qkv | z | b | a
-    at::Tensor proj = apply(w.in_w, h);         // [T, width]
+    at::Tensor proj = project(w.in_w, h);         // [T, width]
     at::Tensor core = at::empty({bt.T, value_dim}, h.options());
     const float* pp = proj.data_ptr<float>();
     const float* cw = w.conv_w.data_ptr<float>();
@@ -390,117 +424,120 @@ class FusedStack {
     float* spec_ssm_p = bt.spec_rows ? spec_ssm.data_ptr<float>() : nullptr;
     const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
 
-    at::parallel_for(0, bt.B, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<float> mixed(C), kv_mem(dv), u(dv);
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t slot = bt.state_slots[b], row = bt.spec_index[b];
-        const bool fresh = bt.context_lens[b] == 0;
-        float* conv_slot = conv_cache + slot * conv_size;
-        float* ssm_slot = ssm_cache + slot * ssm_size;
-        const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
-        // The working state: the slot itself, or for a verify segment the per-position copy.
-        float* conv = conv_slot;
-        float* S = ssm_slot;
-        if (fresh && row < 0) {
-          std::fill(conv_slot, conv_slot + conv_size, 0.0f);
-          std::fill(ssm_slot, ssm_slot + ssm_size, 0.0f);
-        }
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t t = t0 + i;
-          if (row >= 0) {  // verify: position i starts from position i-1's state (or the slot's)
-            float* conv_i = spec_conv_p + (row * bt.spec_width + i) * conv_size;
-            float* S_i = spec_ssm_p + (row * bt.spec_width + i) * ssm_size;
-            if (fresh && i == 0) {
-              std::fill(conv_i, conv_i + conv_size, 0.0f);
-              std::fill(S_i, S_i + ssm_size, 0.0f);
+    {
+      Timed timed(slot(kRecurrence));
+      at::parallel_for(0, bt.B, 1, [&](int64_t b0, int64_t b1) {
+        std::vector<float> mixed(C), kv_mem(dv), u(dv);
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t state_slot = bt.state_slots[b], row = bt.spec_index[b];
+          const bool fresh = bt.context_lens[b] == 0;
+          float* conv_slot = conv_cache + state_slot * conv_size;
+          float* ssm_slot = ssm_cache + state_slot * ssm_size;
+          const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
+          // The working state: the slot itself, or for a verify segment the per-position copy.
+          float* conv = conv_slot;
+          float* S = ssm_slot;
+          if (fresh && row < 0) {
+            std::fill(conv_slot, conv_slot + conv_size, 0.0f);
+            std::fill(ssm_slot, ssm_slot + ssm_size, 0.0f);
+          }
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t t = t0 + i;
+            if (row >= 0) {  // verify: position i starts from position i-1's state (or the slot's)
+              float* conv_i = spec_conv_p + (row * bt.spec_width + i) * conv_size;
+              float* S_i = spec_ssm_p + (row * bt.spec_width + i) * ssm_size;
+              if (fresh && i == 0) {
+                std::fill(conv_i, conv_i + conv_size, 0.0f);
+                std::fill(S_i, S_i + ssm_size, 0.0f);
+              } else {
+                std::memcpy(conv_i, conv, conv_size * sizeof(float));
+                std::memcpy(S_i, S, ssm_size * sizeof(float));
+              }
+              conv = conv_i;
+              S = S_i;
+            }
+            const float* xin = pp + t * width;
+            // causal depthwise conv over [state | x_t], then SiLU; the state shifts by one
+            if (K == 4) {  // the models' kernel size: fixed taps let this loop vectorize
+  #pragma omp simd
+              for (int64_t c = 0; c < C; ++c) {
+                float* st = conv + c * 3;
+                const float* wc = cw + c * 4;
+                const float s0 = st[0], s1 = st[1], s2 = st[2], xc = xin[c];
+                st[0] = s1;
+                st[1] = s2;
+                st[2] = xc;
+                mixed[c] = silu(s0 * wc[0] + s1 * wc[1] + s2 * wc[2] + xc * wc[3]);
+              }
             } else {
-              std::memcpy(conv_i, conv, conv_size * sizeof(float));
-              std::memcpy(S_i, S, ssm_size * sizeof(float));
-            }
-            conv = conv_i;
-            S = S_i;
-          }
-          const float* xin = pp + t * width;
-          // causal depthwise conv over [state | x_t], then SiLU; the state shifts by one
-          if (K == 4) {  // the models' kernel size: fixed taps let this loop vectorize
-#pragma omp simd
-            for (int64_t c = 0; c < C; ++c) {
-              float* st = conv + c * 3;
-              const float* wc = cw + c * 4;
-              const float s0 = st[0], s1 = st[1], s2 = st[2], xc = xin[c];
-              st[0] = s1;
-              st[1] = s2;
-              st[2] = xc;
-              mixed[c] = silu(s0 * wc[0] + s1 * wc[1] + s2 * wc[2] + xc * wc[3]);
-            }
-          } else {
-            for (int64_t c = 0; c < C; ++c) {
-            float* st = conv + c * (K - 1);
-            const float* wc = cw + c * K;
-            float acc = 0.0f;
-            for (int64_t j = 0; j < K - 1; ++j) acc += st[j] * wc[j];
-            acc += xin[c] * wc[K - 1];
-            for (int64_t j = 0; j + 1 < K - 1; ++j) st[j] = st[j + 1];
-            st[K - 2] = xin[c];
-            mixed[c] = silu(acc);
-            }
-          }
-          // L2-normalise q and k per key head (q also scaled by dk^-1/2)
-          for (int64_t kh = 0; kh < 2 * d_.hk; ++kh) {
-            float* v = mixed.data() + kh * dk;
-            float r = 1.0f / std::sqrt(dot(v, v, dk) + 1e-6f);
-            if (kh < d_.hk) r *= q_scale;
-#pragma omp simd
-            for (int64_t j = 0; j < dk; ++j) v[j] *= r;
-          }
-          const float* z = xin + C;
-          const float* braw = xin + C + value_dim;
-          const float* araw = braw + Hv;
-          float* o_t = out + t * value_dim;
-          for (int64_t hv = 0; hv < Hv; ++hv) {
-            const float* q = mixed.data() + (hv / rep) * dk;
-            const float* k = mixed.data() + key_dim + (hv / rep) * dk;
-            const float* v = mixed.data() + 2 * key_dim + hv * dv;
-            const float beta = sigmoid(braw[hv]);
-            const float decay = std::exp(neg_a[hv] * softplus(araw[hv] + dt_bias[hv]));
-            float* Sh = S + hv * dk * dv;
-            // kv_mem = (decay S)^T k, reading S once; the decay is applied in the update pass below
-            std::fill(kv_mem.begin(), kv_mem.end(), 0.0f);
-            for (int64_t a = 0; a < dk; ++a) {
-              const float* Sa = Sh + a * dv;
-              const float ka = k[a];
-#pragma omp simd
-              for (int64_t j = 0; j < dv; ++j) kv_mem[j] += Sa[j] * ka;
-            }
-#pragma omp simd
-            for (int64_t j = 0; j < dv; ++j) u[j] = beta * (v[j] - decay * kv_mem[j]);
-            float* o = o_t + hv * dv;
-            std::fill(o, o + dv, 0.0f);
-            for (int64_t a = 0; a < dk; ++a) {
-              float* Sa = Sh + a * dv;
-              const float ka = k[a], qa = q[a];
-#pragma omp simd
-              for (int64_t j = 0; j < dv; ++j) {
-                Sa[j] = Sa[j] * decay + ka * u[j];
-                o[j] += Sa[j] * qa;
+              for (int64_t c = 0; c < C; ++c) {
+              float* st = conv + c * (K - 1);
+              const float* wc = cw + c * K;
+              float acc = 0.0f;
+              for (int64_t j = 0; j < K - 1; ++j) acc += st[j] * wc[j];
+              acc += xin[c] * wc[K - 1];
+              for (int64_t j = 0; j + 1 < K - 1; ++j) st[j] = st[j + 1];
+              st[K - 2] = xin[c];
+              mixed[c] = silu(acc);
               }
             }
-            // gated RMSNorm: o * rsqrt(mean(o^2) + eps) * w * silu(z)
-            const float r = 1.0f / std::sqrt(dot(o, o, dv) / static_cast<float>(dv) + d_.eps);
-            const float* zh = z + hv * dv;
-#pragma omp simd
-            for (int64_t j = 0; j < dv; ++j) o[j] = o[j] * r * norm_w[j] * silu(zh[j]);
+            // L2-normalise q and k per key head (q also scaled by dk^-1/2)
+            for (int64_t kh = 0; kh < 2 * d_.hk; ++kh) {
+              float* v = mixed.data() + kh * dk;
+              float r = 1.0f / std::sqrt(dot(v, v, dk) + 1e-6f);
+              if (kh < d_.hk) r *= q_scale;
+  #pragma omp simd
+              for (int64_t j = 0; j < dk; ++j) v[j] *= r;
+            }
+            const float* z = xin + C;
+            const float* braw = xin + C + value_dim;
+            const float* araw = braw + Hv;
+            float* o_t = out + t * value_dim;
+            for (int64_t hv = 0; hv < Hv; ++hv) {
+              const float* q = mixed.data() + (hv / rep) * dk;
+              const float* k = mixed.data() + key_dim + (hv / rep) * dk;
+              const float* v = mixed.data() + 2 * key_dim + hv * dv;
+              const float beta = sigmoid(braw[hv]);
+              const float decay = std::exp(neg_a[hv] * softplus(araw[hv] + dt_bias[hv]));
+              float* Sh = S + hv * dk * dv;
+              // kv_mem = (decay S)^T k, reading S once; the decay is applied in the update pass below
+              std::fill(kv_mem.begin(), kv_mem.end(), 0.0f);
+              for (int64_t a = 0; a < dk; ++a) {
+                const float* Sa = Sh + a * dv;
+                const float ka = k[a];
+  #pragma omp simd
+                for (int64_t j = 0; j < dv; ++j) kv_mem[j] += Sa[j] * ka;
+              }
+  #pragma omp simd
+              for (int64_t j = 0; j < dv; ++j) u[j] = beta * (v[j] - decay * kv_mem[j]);
+              float* o = o_t + hv * dv;
+              std::fill(o, o + dv, 0.0f);
+              for (int64_t a = 0; a < dk; ++a) {
+                float* Sa = Sh + a * dv;
+                const float ka = k[a], qa = q[a];
+  #pragma omp simd
+                for (int64_t j = 0; j < dv; ++j) {
+                  Sa[j] = Sa[j] * decay + ka * u[j];
+                  o[j] += Sa[j] * qa;
+                }
+              }
+              // gated RMSNorm: o * rsqrt(mean(o^2) + eps) * w * silu(z)
+              const float r = 1.0f / std::sqrt(dot(o, o, dv) / static_cast<float>(dv) + d_.eps);
+              const float* zh = z + hv * dv;
+  #pragma omp simd
+              for (int64_t j = 0; j < dv; ++j) o[j] = o[j] * r * norm_w[j] * silu(zh[j]);
+            }
+          }
+          if (row >= 0) {  // padding positions of a shorter verify segment keep its last state
+            for (int64_t i = n; i < bt.spec_width; ++i) {
+              std::memcpy(spec_conv_p + (row * bt.spec_width + i) * conv_size, conv, conv_size * sizeof(float));
+              std::memcpy(spec_ssm_p + (row * bt.spec_width + i) * ssm_size, S, ssm_size * sizeof(float));
+            }
           }
         }
-        if (row >= 0) {  // padding positions of a shorter verify segment keep its last state
-          for (int64_t i = n; i < bt.spec_width; ++i) {
-            std::memcpy(spec_conv_p + (row * bt.spec_width + i) * conv_size, conv, conv_size * sizeof(float));
-            std::memcpy(spec_ssm_p + (row * bt.spec_width + i) * ssm_size, S, ssm_size * sizeof(float));
-          }
-        }
-      }
-    });
-    return apply(w.out_w, core);
+      });
+    }
+    return project(w.out_w, core);
   }
 
   at::Tensor attention(const AttnWeights& w, const at::Tensor& h, const Batch& bt, const float* cos,
@@ -508,93 +545,100 @@ class FusedStack {
     const int64_t nh = d_.nh, nkv = d_.nkv, hd = d_.hd, half = d_.rotary_dim / 2;
     const int64_t q_width = 2 * nh * hd, width = q_width + 2 * nkv * hd, group = nh / nkv;
     const int64_t block_size = w.k_cache.size(1), row_size = nkv * hd;
-    at::Tensor proj = apply(w.qkv_w, h);  // [T, width]: per head q | gate, then k, then v
+    at::Tensor proj = project(w.qkv_w, h);  // [T, width]: per head q | gate, then k, then v
     float* pp = proj.data_ptr<float>();
     const float* qs = w.q_scale.data_ptr<float>();
     const float* ks = w.k_scale.data_ptr<float>();
     float* k_cache = w.k_cache.data_ptr<float>();
     float* v_cache = w.v_cache.data_ptr<float>();
 
-    // 1. q/k RMSNorm and RoPE, K/V into the cache (every token's, before any token reads them)
-    for (int64_t t = 0; t < bt.T; ++t) {
-      float* row = pp + t * width;
-      for (int64_t hh = 0; hh < nh; ++hh) {
-        float* q = row + hh * 2 * hd;
-        rms_norm_row(q, qs, d_.eps, hd, q);
-        rope_head(q, cos + t * half, sin + t * half, half);
-      }
-      float* k = row + q_width;
-      for (int64_t hh = 0; hh < nkv; ++hh) {
-        rms_norm_row(k + hh * hd, ks, d_.eps, hd, k + hh * hd);
-        rope_head(k + hh * hd, cos + t * half, sin + t * half, half);
-      }
-      const int64_t slot = bt.slot_mapping[t];
-      std::memcpy(k_cache + slot * row_size, k, row_size * sizeof(float));
-      std::memcpy(v_cache + slot * row_size, k + row_size, row_size * sizeof(float));
-    }
-
-    // 2. each query token attends to positions 0 .. its own, read through its sequence's block table:
-    // long segments (prompt chunks) through torch's fused attention kernel, short ones in a loop per
-    // (token, kv head) that reads each cached K/V row once for all the query heads of its group.
     at::Tensor attn = at::empty({bt.T, nh * hd}, h.options());
-    float* ap = attn.data_ptr<float>();
-    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    auto row_of = [&](const int64_t* table, int64_t j) { return table[j / block_size] * block_size + j % block_size; };
-    for (int64_t b = 0; b < bt.B; ++b) {
-      const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
-      if (n <= kShortSegment) continue;
-      const int64_t L = bt.positions[t0 + n - 1] + 1;
-      const int64_t* table = bt.block_tables + b * bt.table_width;
-      at::Tensor rows = at::empty({L}, at::kLong);
-      int64_t* rp = rows.data_ptr<int64_t>();
-      for (int64_t j = 0; j < L; ++j) rp[j] = row_of(table, j);
-      auto gather = [&](const at::Tensor& cache) {  // [1, nkv, L, hd]
-        return cache.view({-1, nkv, hd}).index_select(0, rows).transpose(0, 1).unsqueeze(0);
+    {
+      Timed timed(slot(kAttention));
+      // 1. q/k RMSNorm and RoPE, K/V into the cache (every token's, before any token reads them)
+      for (int64_t t = 0; t < bt.T; ++t) {
+        float* row = pp + t * width;
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          float* q = row + hh * 2 * hd;
+          rms_norm_row(q, qs, d_.eps, hd, q);
+          rope_head(q, cos + t * half, sin + t * half, half);
+        }
+        float* k = row + q_width;
+        for (int64_t hh = 0; hh < nkv; ++hh) {
+          rms_norm_row(k + hh * hd, ks, d_.eps, hd, k + hh * hd);
+          rope_head(k + hh * hd, cos + t * half, sin + t * half, half);
+        }
+        const int64_t slot = bt.slot_mapping[t];
+        std::memcpy(k_cache + slot * row_size, k, row_size * sizeof(float));
+        std::memcpy(v_cache + slot * row_size, k + row_size, row_size * sizeof(float));
+      }
+
+      // 2. each query token attends to positions 0 .. its own, read through its sequence's block table:
+      // long segments (prompt chunks) through torch's fused attention kernel, short ones in a loop per
+      // (token, kv head) that reads each cached K/V row once for all the query heads of its group.
+      float* ap = attn.data_ptr<float>();
+      const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+      auto row_of = [&](const int64_t* table, int64_t j) {
+        return table[j / block_size] * block_size + j % block_size;
       };
-      at::Tensor q = proj.narrow(0, t0, n).narrow(1, 0, q_width).view({n, nh, 2 * hd}).narrow(2, 0, hd);
-      std::optional<at::Tensor> mask;  // the n queries are the last n of the L positions
-      if (L != n) mask = at::arange(L).unsqueeze(0) <= at::arange(L - n, L).unsqueeze(1);
-      at::Tensor out = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), gather(w.k_cache),
-                                                        gather(w.v_cache), mask, 0.0, L == n, scale, true);
-      attn.narrow(0, t0, n).view({n, nh, hd}).copy_(out[0].transpose(0, 1));
-    }
-    at::parallel_for(0, bt.B, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<float> probs;  // [group, L]
-      std::vector<int64_t> rows;   // cache row of each position of the sequence
-      for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t b = 0; b < bt.B; ++b) {
         const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
-        if (n > kShortSegment) continue;
+        if (n <= kShortSegment) continue;
+        const int64_t L = bt.positions[t0 + n - 1] + 1;
         const int64_t* table = bt.block_tables + b * bt.table_width;
-        rows.resize(bt.positions[t0 + n - 1] + 1);
-        for (int64_t j = 0; j < static_cast<int64_t>(rows.size()); ++j) rows[j] = row_of(table, j) * row_size;
-        for (int64_t t = t0; t < t0 + n; ++t) {
-          const int64_t L = bt.positions[t] + 1;
-          probs.resize(group * L);
-          for (int64_t kvh = 0; kvh < nkv; ++kvh) {
-            const float* q0 = pp + t * width + kvh * group * 2 * hd;  // head g of the group: q0 + g * 2hd
-            for (int64_t j = 0; j < L; ++j) {
-              const float* k = k_cache + rows[j] + kvh * hd;
-              for (int64_t g = 0; g < group; ++g) probs[g * L + j] = dot(q0 + g * 2 * hd, k, hd) * scale;
+        at::Tensor rows = at::empty({L}, at::kLong);
+        int64_t* rp = rows.data_ptr<int64_t>();
+        for (int64_t j = 0; j < L; ++j) rp[j] = row_of(table, j);
+        auto gather = [&](const at::Tensor& cache) {  // [1, nkv, L, hd]
+          return cache.view({-1, nkv, hd}).index_select(0, rows).transpose(0, 1).unsqueeze(0);
+        };
+        at::Tensor q = proj.narrow(0, t0, n).narrow(1, 0, q_width).view({n, nh, 2 * hd}).narrow(2, 0, hd);
+        std::optional<at::Tensor> mask;  // the n queries are the last n of the L positions
+        if (L != n) mask = at::arange(L).unsqueeze(0) <= at::arange(L - n, L).unsqueeze(1);
+        at::Tensor out = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), gather(w.k_cache),
+                                                          gather(w.v_cache), mask, 0.0, L == n, scale, true);
+        attn.narrow(0, t0, n).view({n, nh, hd}).copy_(out[0].transpose(0, 1));
+      }
+      at::parallel_for(0, bt.B, 1, [&](int64_t b0, int64_t b1) {
+        std::vector<float> probs;  // [group, L]
+        std::vector<int64_t> rows;   // cache row of each position of the sequence
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
+          if (n > kShortSegment) continue;
+          const int64_t* table = bt.block_tables + b * bt.table_width;
+          rows.resize(bt.positions[t0 + n - 1] + 1);
+          for (int64_t j = 0; j < static_cast<int64_t>(rows.size()); ++j) rows[j] = row_of(table, j) * row_size;
+          for (int64_t t = t0; t < t0 + n; ++t) {
+            const int64_t L = bt.positions[t] + 1;
+            probs.resize(group * L);
+            for (int64_t kvh = 0; kvh < nkv; ++kvh) {
+              const float* q0 = pp + t * width + kvh * group * 2 * hd;  // head g of the group: q0 + g * 2hd
+              for (int64_t j = 0; j < L; ++j) {
+                const float* k = k_cache + rows[j] + kvh * hd;
+                for (int64_t g = 0; g < group; ++g) probs[g * L + j] = dot(q0 + g * 2 * hd, k, hd) * scale;
+              }
+              for (int64_t g = 0; g < group; ++g) softmax_row(probs.data() + g * L, L);
+              float* o0 = ap + t * nh * hd + kvh * group * hd;
+              probs_times_v(probs.data(), L, group, v_cache + kvh * hd, rows.data(), hd, o0);
             }
-            for (int64_t g = 0; g < group; ++g) softmax_row(probs.data() + g * L, L);
-            float* o0 = ap + t * nh * hd + kvh * group * hd;
-            probs_times_v(probs.data(), L, group, v_cache + kvh * hd, rows.data(), hd, o0);
           }
         }
-      }
-    });
-    // output gate: attn * sigmoid(gate), the gate being the second half of each head's q_proj rows
-    for (int64_t t = 0; t < bt.T; ++t) {
-      for (int64_t hh = 0; hh < nh; ++hh) {
-        float* o = ap + (t * nh + hh) * hd;
-        const float* gate = pp + t * width + hh * 2 * hd + hd;
-        for (int64_t e = 0; e < hd; ++e) o[e] *= sigmoid(gate[e]);
+      });
+      // output gate: attn * sigmoid(gate), the gate being the second half of each head's q_proj rows
+      for (int64_t t = 0; t < bt.T; ++t) {
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          float* o = ap + (t * nh + hh) * hd;
+          const float* gate = pp + t * width + hh * 2 * hd + hd;
+          for (int64_t e = 0; e < hd; ++e) o[e] *= sigmoid(gate[e]);
+        }
       }
     }
-    return apply(w.o_w, attn);
+    return project(w.o_w, attn);
   }
 
   Dims d_;
+  bool profiling_ = false;
+  std::array<double, kParts> spent_{};
   at::Tensor embed_, final_scale_, inv_freq_;
   Linear lm_head_;
   Linear fc_;  // MTP head only, with the two pre-fc norm scales
@@ -608,5 +652,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<FusedStack>(m, "FusedStack")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, double, bool>())
       .def("forward", &FusedStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("logits", &FusedStack::logits, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("logits", &FusedStack::logits, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("set_profiling", &FusedStack::set_profiling)
+      .def("profile", &FusedStack::profile);
 }
