@@ -81,6 +81,9 @@ class Sampler:
                 f"logits must be [N, V] with N = {len(states)} states, got {tuple(logits.shape)}"
             )
         logits = logits.float()
+        if all(s.params.greedy and s.params.logprobs is None and not self._modifies(s) for s in states):
+            # the common all-greedy batch: nothing to process, nothing to copy
+            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(states))
         want_logprobs = [s.params.logprobs is not None for s in states]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
@@ -112,6 +115,14 @@ class Sampler:
                     entry.setdefault(t, v)
             out_logprobs.append(entry)
         return SamplerOutput(token_ids=token_list, logprobs=out_logprobs)
+
+    def _modifies(self, s: SequenceSamplingState) -> bool:
+        """Whether process_logits would change this sequence's row."""
+        p = s.params
+        return bool(
+            p.logit_bias or len(s.output_token_ids) < p.min_tokens or p.repetition_penalty != 1.0
+            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        )
 
     # ---- stages (public so speculative decoding can build the same target distribution) ----------------
     def process_logits(self, logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> torch.Tensor:
