@@ -85,6 +85,19 @@ def run(model: str | None, k: int, batch: int, tokens: int) -> tuple[Row, LLM]:
     return Row(batch, k, tok_s, accepted / max(drafted, 1), 1 + accepted / max(drafts, 1)), llm
 
 
+class _TimedTrunk:
+    """The runner's fused trunk with its call timed (the runner calls eligible() and the instance)."""
+
+    def __init__(self, fused, call) -> None:
+        self._fused, self._call = fused, call
+
+    def eligible(self, ctx) -> bool:
+        return self._fused.eligible(ctx)
+
+    def __call__(self, *a):
+        return self._call(*a)
+
+
 def profile(llm: LLM, tokens: int, steps: int = 40) -> dict[str, float]:
     """Mean seconds per step in each phase, over `steps` speculative decode steps at batch 1."""
     engine = llm.engine
@@ -100,9 +113,11 @@ def profile(llm: LLM, tokens: int, steps: int = 40) -> dict[str, float]:
                 spent[name] += time.perf_counter() - t
         return wrapper
 
-    model = runner.model
-    model.forward = timed("trunk verify forward", model.forward)
-    model.mtp_hidden = timed("MTP layer passes", model.mtp_hidden)
+    if runner.fused is not None:  # the fused C++ step (the default) or the Python model
+        runner.fused = _TimedTrunk(runner.fused, timed("trunk verify forward", runner.fused.__call__))
+    else:
+        runner.model.forward = timed("trunk verify forward", runner.model.forward)
+    runner.spec.mtp_hidden = timed("MTP layer passes", runner.spec.mtp_hidden)
     runner.spec.verify = timed("verify: target logits, acceptance, state commit", runner.spec.verify)
     runner.propose = timed("MTP drafting total", runner.propose)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
@@ -123,6 +138,41 @@ def profile(llm: LLM, tokens: int, steps: int = 40) -> dict[str, float]:
     return out
 
 
+def kernel_costs(llm: LLM, k: int, context: int = 64, reps: int = 200) -> dict[str, float]:
+    """Seconds of the fused kernels alone (no Python around them) at batch 1: a plain decode step (trunk
+    on 1 token + its logits), a verify step (trunk on 1+k tokens + their logits) and one draft pass (MTP
+    layer + lm_head on 1 row). With no overhead at all, speculation can reach at most
+    mean_len * decode / (verify + k * draft)."""
+    engine = llm.engine
+    runner, spec = engine.runner, engine.runner.spec
+    engine.cache.allocate("cost", context + k + 2)
+    hidden = torch.randn(1 + k, llm.engine.model_config.hidden_size)
+
+    def seconds(fn) -> float:
+        for _ in range(10):
+            fn()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t) / reps
+
+    def trunk(n: int, verify: bool):
+        ctx = runner.make_context([n], [context], ["cost"], [verify])
+        ids = torch.arange(n) + 10
+        return lambda: runner.compute_logits(runner.fused(ids, ctx))
+
+    def draft():
+        ctx = runner.make_context([1], [context], ["cost"])
+        ids = torch.tensor([10])
+        return lambda: spec.compute_logits(spec.mtp_hidden(ids, hidden[:1], ctx))
+
+    with torch.inference_mode():
+        costs = {"decode": seconds(trunk(1, False)), "verify": seconds(trunk(1 + k, True)),
+                 "draft": seconds(draft())}
+    engine.cache.free("cost")
+    return costs
+
+
 def draft_cost_ratio(llm: LLM) -> tuple[float, int, int, int]:
     """Parameters one MTP draft pass reads (MTP layer + lm_head) over those of one plain decode step (trunk
     + lm_head): on a memory-bound CPU decode this is roughly the time ratio too."""
@@ -138,7 +188,7 @@ def draft_cost_ratio(llm: LLM) -> tuple[float, int, int, int]:
 
 def render(
     rows: list[Row], prof: dict[str, float], best_k: int, threads: int, label: str, tokens: int,
-    ratio: tuple[float, int, int, int], repeat: int,
+    ratio: tuple[float, int, int, int], repeat: int, costs: dict[int, dict[str, float]],
 ) -> str:
     date = datetime.date.today().isoformat()
     lines = [
@@ -178,11 +228,25 @@ def render(
         f"| scheduling, context building, detokenizing, Python | {rest * 1e3:.2f} "
         f"| {rest / step:.0%} |",
         "",
+        "Kernel time alone at batch 1 (the fused C++ trunk and MTP head with their lm_head logits, no Python "
+        "around them), and the speed-up speculation could reach if everything else cost nothing: "
+        "mean acceptance length x decode / (verify + k x draft).",
+        "",
+        "| k | decode step (1 token) | verify step (1+k tokens) | one draft pass | bound |",
+        "|---|---|---|---|---|",
+    ]
+    mean_len = {r.k: r.mean_len for r in rows if r.batch == 1 and r.k}
+    for k, c in costs.items():
+        bound = mean_len[k] * c["decode"] / (c["verify"] + k * c["draft"])
+        lines.append(f"| {k} | {c['decode'] * 1e3:.3f} ms | {c['verify'] * 1e3:.3f} ms | "
+                     f"{c['draft'] * 1e3:.3f} ms | {bound:.2f}x |")
+    lines += [
+        "",
         f"Why the speed-up is bounded here: a draft pass runs the MTP layer ({ratio[2] / 1e6:.2f}M params) "
         f"and the shared lm_head ({ratio[3] / 1e6:.2f}M), {ratio[0]:.0%} of the weights of a decode step "
         f"(trunk {ratio[1] / 1e6:.2f}M + lm_head); at the 27B shape it is ~6%. And a model this small is "
-        "not memory-bound on a CPU: its weights stay in cache and matmul time grows with the rows, so the "
-        "1+k verify tokens cost more than one decode token, unlike on an accelerator running a large model.",
+        "not memory-bound on a CPU: its weights stay in cache, the kernels are compute-bound, and the 1+k "
+        "verify tokens cost more than one decode token, unlike on an accelerator running a large model.",
         "",
     ]
     return "\n".join(lines)
@@ -217,9 +281,12 @@ def main() -> None:
     b1 = [r for r in rows if r.batch == 1 and r.k] or [r for r in rows if r.k]
     best_k = max(b1, key=lambda r: r.tok_s).k
     _, llm = run(args.model, best_k, 1, 8)
+    costs = {k: kernel_costs(llm, k) for k in range(1, args.max_k + 1)} if llm.engine.runner.fused else {}
     prof = profile(llm, args.tokens)
     label = "embedded demo" if args.model is None else Path(args.model).name
-    text = render(rows, prof, best_k, args.threads, label, args.tokens, draft_cost_ratio(llm), args.repeat)
+    text = render(
+        rows, prof, best_k, args.threads, label, args.tokens, draft_cost_ratio(llm), args.repeat, costs
+    )
     print(text)
     if not args.no_write:
         write_section(SECTION, text)
