@@ -1,4 +1,4 @@
-"""The fused C++ step (deltaserve/ops/fused.py) against the Python model it replaces for short segments:
+"""The fused C++ step (deltaserve/model/fused.py, deltaserve/ops/csrc) against the Python model it replaces:
 the same hidden states, logits, cache writes and per-position verify states, on random checkpoints whose
 weights are fp32 (MKL projections) or exactly bf16 (the bf16-streaming projections)."""
 
@@ -9,8 +9,8 @@ import torch
 
 from deltaserve.cache.tensors import allocate_cache
 from deltaserve.model.context import ForwardContext
+from deltaserve.model.fused import FusedMTP, FusedTrunk, supported
 from deltaserve.model.loader import load_model
-from deltaserve.ops.fused import FusedMTP, FusedTrunk, supported
 from tests.checkpoints import (
     RATIOS_27B,
     TINY,
@@ -142,3 +142,35 @@ def test_fused_mtp_matches_the_python_head(tmp_path, bf16_values: bool) -> None:
             got = fused(ids, hidden, context(fused_cache, lens))
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
         assert_caches_equal(ref_cache, fused_cache)
+
+
+def test_engine_runs_the_fused_step_unless_enforce_eager(tmp_path) -> None:
+    from deltaserve import LLM, SamplingParams
+
+    path = save_official_layout(random_hf_model(TINY, seed=6), tmp_path, random_mtp_tensors(TINY))
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 90 + 2 for j in range(5 + 9 * i)]} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for spec in (None, {"method": "mtp", "num_speculative_tokens": 2}):
+        for eager in (True, False):
+            llm = LLM(model=str(path), enforce_eager=eager, speculative_config=spec, max_num_batched_tokens=32,
+                      max_model_len=256, kv_cache_memory=1 << 24)
+            runner = llm.engine.runner
+            assert (runner.fused is None) == eager
+            if spec is not None:  # the draft passes run fused too
+                assert (runner.spec.mtp_hidden == llm.engine.model.mtp_hidden) == eager
+            outputs[spec is not None, eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert len({str(v) for v in outputs.values()}) == 1  # chunked prefill, decode and verify: all agree
+
+
+def test_the_fused_step_profiles_its_parts(model) -> None:
+    cache = allocate_cache(model.config, num_blocks=64, block_size=BLOCK, num_slots=6)
+    fused = FusedTrunk(model, cache)
+    fused.set_profiling(True)
+    with torch.inference_mode():
+        fused(torch.arange(30) % model.config.vocab_size, context(cache, [(20, 0), (10, 0)]))
+    parts = fused.profile()
+    assert set(parts) == set(FusedTrunk.PROFILE_PARTS)
+    assert parts["projections"] > 0 and parts["attention"] > 0 and parts["gdn_conv_and_recurrence"] > 0
+    assert parts["forward"] > parts["projections"] + parts["attention"] + parts["gdn_conv_and_recurrence"]
+    assert all(v == 0 for v in fused.profile().values())  # reading clears

@@ -24,8 +24,8 @@ from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_par
 from deltaserve.engine.scheduler import DECODE, VERIFY, Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
+from deltaserve.model.fused import FusedBuildError, FusedMTP, FusedTrunk, supported
 from deltaserve.model.loader import load_model
-from deltaserve.ops.fused import FusedBuildError, FusedMTP, FusedTrunk, supported
 from deltaserve.outputs import RequestOutput, SpecDecodeMetrics
 from deltaserve.sampling import SamplingParams
 

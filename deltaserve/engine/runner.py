@@ -14,7 +14,7 @@ from deltaserve.engine.scheduler import VERIFY, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder, VerifyResult
 from deltaserve.model.context import CacheTensors, ForwardContext
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
-from deltaserve.ops.fused import FusedTrunk
+from deltaserve.model.fused import FusedTrunk
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
 """The fused step: the whole forward of the trunk (FusedTrunk) or of the MTP head (FusedMTP) for one engine
-step as one C++ call (csrc/fused_step.cpp), built on first use with the system C++ compiler and cached by
+step as one C++ call (deltaserve/ops/csrc/fused_step.cpp), built on first use with the system C++ compiler and cached by
 torch. The Python model (deltaserve/model) is the reference; this removes the per-op overhead that dominates
 a small model's step on a CPU, and runs the GDN recurrence token by token in C++ (cheaper than the chunked
 form at these head sizes).
@@ -7,65 +7,18 @@ form at these head sizes).
 Used for fp32 weights and caches, text positions and no trace; anything else runs the Python model. The
 projections that read the same input are fused into one weight (GDN q|k|v|z|b|a, attention q|k|v, MLP
 gate|up); the modules' own weights become views into it, so memory is not doubled and both paths read the
-same numbers. Weights whose values are all bfloat16 numbers also keep a bf16 copy (half a weight's fp32
-bytes) that a step of a few rows streams instead of the fp32 weight.
+same numbers. Weights whose values are all bfloat16 numbers also keep a bf16 copy in panels (half a
+weight's fp32 bytes, +50% weight memory) that a step of up to 48 rows streams instead of the fp32 weight.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import platform
-import threading
-from pathlib import Path
-
 import torch
 
 from deltaserve.model.context import CacheTensors, ForwardContext
+from deltaserve.ops.fused_ext import FusedBuildError, load_extension
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "fused_step.cpp"
-
-_lock = threading.Lock()
-_module = None
-
-
-class FusedBuildError(RuntimeError):
-    """The C++ step could not be compiled or loaded (no compiler?); the Python model still works."""
-
-
-def _cpu_tag() -> str:
-    """Build directory key: the code is compiled with -march=native, so a cache must not cross CPUs."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "model name")):
-                flags += line
-    except OSError:
-        flags = platform.processor()
-    return hashlib.sha1(flags.encode()).hexdigest()[:10]
-
-
-def load_extension():
-    """Compile (once per machine and source version; about 30 s) and import the C++ step."""
-    global _module
-    with _lock:
-        if _module is None:
-            from torch.utils.cpp_extension import _get_build_directory, load
-
-            name = f"deltaserve_fused_step_{_cpu_tag()}"
-            build_dir = Path(_get_build_directory(name, verbose=False))
-            if not any(build_dir.glob("*.so")):
-                log.info("building the fused decode step (C++, once per machine; about 30 s)")
-            try:
-                _module = load(
-                    name=name, sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False,
-                )
-            except Exception as e:  # compiler missing or failing: say so, the caller falls back
-                raise FusedBuildError(f"could not build the fused step from {SOURCE.name}: {e}") from e
-        return _module
+__all__ = ["FusedBuildError", "FusedMTP", "FusedTrunk", "supported"]
 
 
 def _fuse_rows(modules_and_names: list[tuple[torch.nn.Module, str]]) -> torch.Tensor:

@@ -1,0 +1,54 @@
+"""Builds and loads the fused step's C++ source (csrc/fused_step.cpp) with the system C++ compiler, once per
+machine and source version (about 30 s), cached by torch under ~/.cache/torch_extensions."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "fused_step.cpp"
+
+_lock = threading.Lock()
+_module = None
+
+
+class FusedBuildError(RuntimeError):
+    """The C++ step could not be compiled or loaded (no compiler?); the Python model still works."""
+
+
+def _cpu_tag() -> str:
+    """Build directory key: the code is compiled with -march=native, so a cache must not cross CPUs."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "model name")):
+                flags += line
+    except OSError:
+        flags = platform.processor()
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+def load_extension():
+    """Compile (once per machine and source version; about 30 s) and import the C++ step."""
+    global _module
+    with _lock:
+        if _module is None:
+            from torch.utils.cpp_extension import _get_build_directory, load
+
+            name = f"deltaserve_fused_step_{_cpu_tag()}"
+            build_dir = Path(_get_build_directory(name, verbose=False))
+            if not any(build_dir.glob("*.so")):
+                log.info("building the fused decode step (C++, once per machine; about 30 s)")
+            try:
+                _module = load(
+                    name=name, sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False,
+                )
+            except Exception as e:  # compiler missing or failing: say so, the caller falls back
+                raise FusedBuildError(f"could not build the fused step from {SOURCE.name}: {e}") from e
+        return _module
