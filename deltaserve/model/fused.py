@@ -39,7 +39,7 @@ PANEL = 64  # outputs per bf16 panel (kPanel in the C++)
 def _linear(weight: torch.Tensor) -> list[torch.Tensor]:
     """A projection for the C++ step: the fp32 weight [N, K] and, when all its values are bfloat16 numbers
     (a bf16 checkpoint computed in fp32), the same values as bf16 panels [ceil(N/64), K, 64], which a step
-    of a few rows streams instead (half the bytes, identical products); else an empty tensor."""
+    of up to 48 rows streams instead (half the bytes, identical products); else an empty tensor."""
     weight = weight.detach()
     as_bf16 = weight.to(torch.bfloat16)
     if not torch.equal(as_bf16.float(), weight):

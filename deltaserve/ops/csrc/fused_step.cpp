@@ -23,9 +23,11 @@
 namespace {
 
 // exp(x) for fp32 as Cephes computes it (x = n ln2 + r, a degree-6 polynomial for e^r, times 2^n): within
-// 2 ulp of the libm value, and written without calls or branches so that loops using it vectorize.
+// 1 ulp of exp over [-87, 88.3] (measured), and written without calls or branches so that loops using it
+// vectorize. Inputs are clamped to that range (e^-87.3 is the smallest normal float; silu and sigmoid of
+// larger |x| are 0 or their asymptote anyway).
 inline float vexp(float x) {
-  x = std::min(std::max(x, -87.3f), 88.7f);
+  x = std::min(std::max(x, -87.3f), 88.3f);
   const float n = std::nearbyint(x * 1.44269504088896341f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -161,7 +163,7 @@ void panel_rows(const float* x, int64_t K, const uint16_t* panel, float* y, int6
   for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], ncols * sizeof(float));
 }
 
-// y [T, N] = x [T, K] @ w^T from the bf16 panels.
+// y [T, N] = x [T, K] @ w^T from the bf16 panels; threads split the panels.
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
   const int64_t T = x.size(0), K = x.size(1), P = panels.size(0);
   at::Tensor y = at::empty({T, N}, x.options());
@@ -195,7 +197,7 @@ at::Tensor apply(const Linear& l, const at::Tensor& x) {
 // Adds the wall time of its scope to *slot (when slot is not null): the step profile (FusedStack::profile).
 class Timed {
  public:
-  explicit Timed(double* slot) : slot_(slot), start_(slot ? std::chrono::steady_clock::now() : Clock::time_point()) {}
+  explicit Timed(double* slot) : slot_(slot), start_(slot ? Clock::now() : Clock::time_point()) {}
   ~Timed() {
     if (slot_) *slot_ += std::chrono::duration<double>(Clock::now() - start_).count();
   }
@@ -254,8 +256,8 @@ class FusedStack {
  public:
   FusedStack(std::vector<at::Tensor> tensors, std::vector<int64_t> layer_is_gdn, std::vector<int64_t> dims,
              double eps, bool mtp)
-      : d_{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7],
-           dims[8], dims[9], dims[10], dims[11], static_cast<float>(eps)} {
+      : d_{dims.at(0), dims.at(1), dims.at(2), dims.at(3), dims.at(4), dims.at(5), dims.at(6), dims.at(7),
+           dims.at(8), dims.at(9), dims.at(10), dims.at(11), static_cast<float>(eps)} {
     size_t i = 0;
     auto next = [&]() {
       TORCH_CHECK(i < tensors.size(), "FusedStack: too few tensors");
@@ -331,6 +333,7 @@ class FusedStack {
              slot_mapping.data_ptr<int64_t>(), state_slots.data_ptr<int64_t>(),
              spec_index.data_ptr<int64_t>(), block_tables.size(1), spec_rows, spec_width};
     TORCH_CHECK(positions.dim() == 1, "FusedStack: text positions only ([T])");
+    check_batch(bt);
     Timed whole(slot(kForward));
 
     // cos/sin [T, half] from positions * inv_freq, as RotaryEmbedding.cos_sin computes them.
@@ -376,6 +379,7 @@ class FusedStack {
       const float* gp = gu.data_ptr<float>();
       float* ap = act.data_ptr<float>();
       for (int64_t t = 0; t < bt.T; ++t) {
+#pragma omp simd
         for (int64_t j = 0; j < I; ++j) ap[t * I + j] = silu(gp[t * 2 * I + j]) * gp[t * 2 * I + I + j];
       }
       x.add_(project(l.down_w, act));
@@ -396,6 +400,31 @@ class FusedStack {
   }
 
  private:
+  // The loops below index the caches with these numbers unchecked: check them once per step.
+  void check_batch(const Batch& bt) const {
+    TORCH_CHECK(bt.qsl[0] == 0 && bt.qsl[bt.B] == bt.T, "FusedStack: query_start_loc must span the T tokens");
+    int64_t slots = -1, blocks = -1, block_size = 1;
+    for (const Layer& l : layers_) {
+      if (l.gdn) slots = l.g.conv_cache.size(0);
+      else blocks = l.a.k_cache.size(0), block_size = l.a.k_cache.size(1);
+    }
+    for (int64_t b = 0; b < bt.B; ++b) {
+      TORCH_CHECK(bt.qsl[b] <= bt.qsl[b + 1], "FusedStack: query_start_loc must not decrease");
+      TORCH_CHECK(slots < 0 || (bt.state_slots[b] >= 0 && bt.state_slots[b] < slots), "FusedStack: state slot ",
+                  bt.state_slots[b], " outside [0, ", slots, ")");
+      for (int64_t w = 0; blocks >= 0 && w < bt.table_width; ++w) {
+        const int64_t block = bt.block_tables[b * bt.table_width + w];
+        TORCH_CHECK(block >= 0 && block < blocks, "FusedStack: block ", block, " outside [0, ", blocks, ")");
+      }
+      for (int64_t t = bt.qsl[b]; t < bt.qsl[b + 1]; ++t) {
+        TORCH_CHECK(bt.positions[t] >= 0 && bt.positions[t] < bt.table_width * block_size,
+                    "FusedStack: position ", bt.positions[t], " beyond the sequence's block table");
+        TORCH_CHECK(blocks < 0 || (bt.slot_mapping[t] >= 0 && bt.slot_mapping[t] < blocks * block_size),
+                    "FusedStack: KV slot ", bt.slot_mapping[t], " outside the cache");
+      }
+    }
+  }
+
   enum Part { kProjections, kRecurrence, kAttention, kForward, kParts };
   double* slot(Part part) { return profiling_ ? &spent_[part] : nullptr; }
 
@@ -459,7 +488,7 @@ class FusedStack {
             const float* xin = pp + t * width;
             // causal depthwise conv over [state | x_t], then SiLU; the state shifts by one
             if (K == 4) {  // the models' kernel size: fixed taps let this loop vectorize
-  #pragma omp simd
+#pragma omp simd
               for (int64_t c = 0; c < C; ++c) {
                 float* st = conv + c * 3;
                 const float* wc = cw + c * 4;
@@ -471,14 +500,14 @@ class FusedStack {
               }
             } else {
               for (int64_t c = 0; c < C; ++c) {
-              float* st = conv + c * (K - 1);
-              const float* wc = cw + c * K;
-              float acc = 0.0f;
-              for (int64_t j = 0; j < K - 1; ++j) acc += st[j] * wc[j];
-              acc += xin[c] * wc[K - 1];
-              for (int64_t j = 0; j + 1 < K - 1; ++j) st[j] = st[j + 1];
-              st[K - 2] = xin[c];
-              mixed[c] = silu(acc);
+                float* st = conv + c * (K - 1);
+                const float* wc = cw + c * K;
+                float acc = 0.0f;
+                for (int64_t j = 0; j < K - 1; ++j) acc += st[j] * wc[j];
+                acc += xin[c] * wc[K - 1];
+                for (int64_t j = 0; j + 1 < K - 1; ++j) st[j] = st[j + 1];
+                st[K - 2] = xin[c];
+                mixed[c] = silu(acc);
               }
             }
             // L2-normalise q and k per key head (q also scaled by dk^-1/2)
@@ -486,7 +515,7 @@ class FusedStack {
               float* v = mixed.data() + kh * dk;
               float r = 1.0f / std::sqrt(dot(v, v, dk) + 1e-6f);
               if (kh < d_.hk) r *= q_scale;
-  #pragma omp simd
+#pragma omp simd
               for (int64_t j = 0; j < dk; ++j) v[j] *= r;
             }
             const float* z = xin + C;
@@ -505,17 +534,17 @@ class FusedStack {
               for (int64_t a = 0; a < dk; ++a) {
                 const float* Sa = Sh + a * dv;
                 const float ka = k[a];
-  #pragma omp simd
+#pragma omp simd
                 for (int64_t j = 0; j < dv; ++j) kv_mem[j] += Sa[j] * ka;
               }
-  #pragma omp simd
+#pragma omp simd
               for (int64_t j = 0; j < dv; ++j) u[j] = beta * (v[j] - decay * kv_mem[j]);
               float* o = o_t + hv * dv;
               std::fill(o, o + dv, 0.0f);
               for (int64_t a = 0; a < dk; ++a) {
                 float* Sa = Sh + a * dv;
                 const float ka = k[a], qa = q[a];
-  #pragma omp simd
+#pragma omp simd
                 for (int64_t j = 0; j < dv; ++j) {
                   Sa[j] = Sa[j] * decay + ka * u[j];
                   o[j] += Sa[j] * qa;
@@ -524,7 +553,7 @@ class FusedStack {
               // gated RMSNorm: o * rsqrt(mean(o^2) + eps) * w * silu(z)
               const float r = 1.0f / std::sqrt(dot(o, o, dv) / static_cast<float>(dv) + d_.eps);
               const float* zh = z + hv * dv;
-  #pragma omp simd
+#pragma omp simd
               for (int64_t j = 0; j < dv; ++j) o[j] = o[j] * r * norm_w[j] * silu(zh[j]);
             }
           }
@@ -568,9 +597,9 @@ class FusedStack {
           rms_norm_row(k + hh * hd, ks, d_.eps, hd, k + hh * hd);
           rope_head(k + hh * hd, cos + t * half, sin + t * half, half);
         }
-        const int64_t slot = bt.slot_mapping[t];
-        std::memcpy(k_cache + slot * row_size, k, row_size * sizeof(float));
-        std::memcpy(v_cache + slot * row_size, k + row_size, row_size * sizeof(float));
+        const int64_t kv_row = bt.slot_mapping[t];
+        std::memcpy(k_cache + kv_row * row_size, k, row_size * sizeof(float));
+        std::memcpy(v_cache + kv_row * row_size, k + row_size, row_size * sizeof(float));
       }
 
       // 2. each query token attends to positions 0 .. its own, read through its sequence's block table:
@@ -601,7 +630,7 @@ class FusedStack {
       }
       at::parallel_for(0, bt.B, 1, [&](int64_t b0, int64_t b1) {
         std::vector<float> probs;  // [group, L]
-        std::vector<int64_t> rows;   // cache row of each position of the sequence
+        std::vector<int64_t> rows;   // offset (in floats) of each position's cache row
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
           if (n > kShortSegment) continue;
@@ -629,6 +658,7 @@ class FusedStack {
         for (int64_t hh = 0; hh < nh; ++hh) {
           float* o = ap + (t * nh + hh) * hd;
           const float* gate = pp + t * width + hh * 2 * hd + hd;
+#pragma omp simd
           for (int64_t e = 0; e < hd; ++e) o[e] *= sigmoid(gate[e]);
         }
       }
