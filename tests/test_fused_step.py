@@ -1,6 +1,6 @@
 """The fused C++ step (deltaserve/model/fused.py, deltaserve/ops/csrc) against the Python model it replaces:
 the same hidden states, logits, cache writes and per-position verify states, on random checkpoints whose
-weights are fp32 (MKL projections) or exactly bf16 (the bf16-streaming projections)."""
+weights are fp32 (MKL projections) or exactly bf16 (the bf16 panel projections)."""
 
 from __future__ import annotations
 
@@ -78,10 +78,9 @@ def test_fused_steps_match_the_python_model(model) -> None:
         ([(20, 0), (37, 0), (5, 0)], None),
         # a continued long chunk (masked attention over a cached prefix) next to a short one
         ([(18, 20), (3, 37)], None),
-        # a decode, a verify segment of 4, a prompt tail of 3, a fresh 2-token prompt, a fresh single token:
-        # 11 rows (the fp32 GEMM path for every projection)
+        # a decode, a verify segment of 4, a prompt tail of 3, a fresh 2-token prompt, a fresh single token
         ([(1, 38), (4, 40), (3, 5), (2, 0), (1, 0)], [False, True, False, False, False]),
-        # 7 rows (the bf16-streaming path when the weights allow it): decodes and a verify of 3
+        # decodes and a verify of 3 (the panel kernel's 1-3 row tails)
         ([(1, 39), (3, 41), (1, 8), (1, 2), (1, 1)], [False, True, False, False, False]),
     ]
     for lens, verify in steps:

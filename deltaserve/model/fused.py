@@ -8,7 +8,7 @@ Used for fp32 weights and caches, text positions and no trace; anything else run
 projections that read the same input are fused into one weight (GDN q|k|v|z|b|a, attention q|k|v, MLP
 gate|up); the modules' own weights become views into it, so memory is not doubled and both paths read the
 same numbers. Weights whose values are all bfloat16 numbers also keep a bf16 copy in panels (half a
-weight's fp32 bytes, +50% weight memory) that a step of up to 48 rows streams instead of the fp32 weight.
+weight's fp32 bytes, +50% weight memory) that every projection streams instead of the fp32 weight.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ PANEL = 64  # outputs per bf16 panel (kPanel in the C++)
 
 def _linear(weight: torch.Tensor) -> list[torch.Tensor]:
     """A projection for the C++ step: the fp32 weight [N, K] and, when all its values are bfloat16 numbers
-    (a bf16 checkpoint computed in fp32), the same values as bf16 panels [ceil(N/64), K, 64], which a step
-    of up to 48 rows streams instead (half the bytes, identical products); else an empty tensor."""
+    (a bf16 checkpoint computed in fp32), the same values as bf16 panels [ceil(N/64), K, 64], which the
+    C++ projections stream instead (half the bytes, identical products); else an empty tensor."""
     weight = weight.detach()
     as_bf16 = weight.to(torch.bfloat16)
     if not torch.equal(as_bf16.float(), weight):
