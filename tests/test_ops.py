@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from deltaserve.ops.attention import (
     attention_reference,
     decode_attention,
-    gather_kv,
+    gather_keys,
+    gather_values,
+    kv_cache_shapes,
     prefill_attention,
     write_kv,
 )
@@ -93,8 +95,8 @@ def test_conv_matches_reference_and_carries_state():
 def paged_setup(lengths, nkv=2, hd=8, block_size=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum((n + block_size - 1) // block_size for n in lengths) + 3
-    k_cache = torch.zeros(num_blocks, block_size, nkv, hd)
-    v_cache = torch.zeros_like(k_cache)
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, nkv, hd)
+    k_cache, v_cache = torch.zeros(k_shape), torch.zeros(v_shape)
     perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered blocks
     tables, kvs = [], []
     for n in lengths:
@@ -112,7 +114,8 @@ def test_paged_prefill_attention_matches_reference():
     k_cache, v_cache, tables, kvs = paged_setup([13, 30])
     g = torch.Generator().manual_seed(1)
     for table, (k, v), tq in zip(tables, kvs, [13, 5]):
-        assert torch.equal(gather_kv(k_cache, table, len(k)), k)
+        assert torch.equal(gather_keys(k_cache, table, len(k)), k)
+        assert torch.equal(gather_values(v_cache, table, len(v)), v)
         q = torch.randn(tq, 6, 8, generator=g)
         out = prefill_attention(q, k_cache, v_cache, table, len(k), 8**-0.5)
         assert (out - attention_reference(q, k, v, 8**-0.5)).abs().max() < 1e-5

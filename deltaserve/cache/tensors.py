@@ -7,6 +7,7 @@ import torch
 
 from deltaserve.config import ModelConfig
 from deltaserve.model.context import CacheTensors
+from deltaserve.ops.attention import kv_cache_shapes
 
 
 def attention_cache_layer_ids(cfg: ModelConfig, with_mtp: bool) -> list[int]:
@@ -21,9 +22,9 @@ def allocate_cache(
     dtype: torch.dtype = torch.float32, with_mtp: bool = False,
     ssm_dtype: torch.dtype = torch.float32,
 ) -> CacheTensors:
-    kv_shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     kv = {
-        i: (torch.zeros(kv_shape, dtype=dtype), torch.zeros(kv_shape, dtype=dtype))
+        i: (torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype))
         for i in attention_cache_layer_ids(cfg, with_mtp)
     }
     conv_shape = (num_slots, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1)

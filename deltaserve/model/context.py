@@ -15,13 +15,14 @@ class CacheTensors:
     """Cache storage for every layer. Attention layers (and the MTP layer) page K/V in blocks; GDN layers
     keep one state slot per running sequence."""
 
-    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer id -> k, v [num_blocks, block_size, nkv, hd]
+    # layer id -> k [num_blocks, nkv, hd, block_size], v [num_blocks, block_size, nkv, hd] (ops/attention.py)
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
     conv: dict[int, torch.Tensor]  # GDN layer id -> [num_slots, conv_dim, K-1]
     ssm: dict[int, torch.Tensor]  # GDN layer id -> [num_slots, Hv, dk, dv] (fp32)
 
     @property
     def block_size(self) -> int:
-        return next(iter(self.kv.values()))[0].shape[1] if self.kv else 1
+        return next(iter(self.kv.values()))[1].shape[1] if self.kv else 1
 
 
 class ForwardTrace(Protocol):

@@ -67,9 +67,40 @@ inline void softmax_row(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
 
+// Query heads per KV head that the attention loops keep in registers (larger groups take plain loops).
+constexpr int64_t kMaxGroup = 8;
+
+// Scores of the G query heads of one KV head (head g's query at q0 + g * q_stride) against one cache block
+// of keys, kt [hd, block_size] (transposed: a dim's keys are contiguous): out[g * ld + l] = scale * q_g . k_l
+// for the first n offsets l. A block of 16 keeps every head's 16 scores in registers while the dims stream.
+inline void block_scores(const float* q0, int64_t q_stride, int64_t G, const float* kt, int64_t hd,
+                         int64_t block_size, float scale, float* out, int64_t ld, int64_t n) {
+  if (block_size != 16 || G > kMaxGroup) {  // plain loop for shapes the register tile does not cover
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t l = 0; l < n; ++l) {
+        float acc = 0.0f;
+        for (int64_t e = 0; e < hd; ++e) acc += q0[g * q_stride + e] * kt[e * block_size + l];
+        out[g * ld + l] = acc * scale;
+      }
+    }
+    return;
+  }
+  float acc[kMaxGroup][16] = {};
+  for (int64_t e = 0; e < hd; ++e) {
+    const float* k = kt + e * 16;
+    for (int64_t g = 0; g < G; ++g) {
+      const float qe = q0[g * q_stride + e];
+#pragma omp simd
+      for (int l = 0; l < 16; ++l) acc[g][l] += qe * k[l];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t l = 0; l < n; ++l) out[g * ld + l] = acc[g][l] * scale;
+  }
+}
+
 // out[g] = sum_j probs[g, j] v_j for the G query heads of one KV head, v_j = v_base + rows[j]: 16 output
 // dims of every head at a time stay in registers while the positions stream by, each V row read once.
-constexpr int64_t kMaxGroup = 8;
 inline void probs_times_v(const float* probs, int64_t L, int64_t G, const float* v_base, const int64_t* rows,
                           int64_t hd, float* out) {
   if (G > kMaxGroup || hd % 16 != 0) {  // plain loop for shapes the register tile does not cover
@@ -231,7 +262,8 @@ struct AttnWeights {
   Linear qkv_w;                 // [2*nh*hd + 2*nkv*hd, hidden]: rows of q_proj | k_proj | v_proj
   at::Tensor q_scale, k_scale;  // [hd] = 1 + q_norm / k_norm weight
   Linear o_w;                   // [hidden, nh*hd]
-  at::Tensor k_cache, v_cache;  // [blocks, block_size, nkv, hd]
+  at::Tensor k_cache;           // [blocks, nkv, hd, block_size]: keys transposed within a block
+  at::Tensor v_cache;           // [blocks, block_size, nkv, hd]
 };
 
 struct Layer {
@@ -407,7 +439,7 @@ class FusedStack {
     int64_t slots = -1, blocks = -1, block_size = 1;
     for (const Layer& l : layers_) {
       if (l.gdn) slots = l.g.conv_cache.size(0);
-      else blocks = l.a.k_cache.size(0), block_size = l.a.k_cache.size(1);
+      else blocks = l.a.v_cache.size(0), block_size = l.a.v_cache.size(1);
     }
     for (int64_t b = 0; b < bt.B; ++b) {
       TORCH_CHECK(bt.qsl[b] <= bt.qsl[b + 1], "FusedStack: query_start_loc must not decrease");
@@ -574,7 +606,7 @@ class FusedStack {
                        const float* sin) {
     const int64_t nh = d_.nh, nkv = d_.nkv, hd = d_.hd, half = d_.rotary_dim / 2;
     const int64_t q_width = 2 * nh * hd, width = q_width + 2 * nkv * hd, group = nh / nkv;
-    const int64_t block_size = w.k_cache.size(1), row_size = nkv * hd;
+    const int64_t block_size = w.v_cache.size(1), row_size = nkv * hd;
     at::Tensor proj = project(w.qkv_w, h);  // [T, width]: per head q | gate, then k, then v
     float* pp = proj.data_ptr<float>();
     const float* qs = w.q_scale.data_ptr<float>();
@@ -598,9 +630,11 @@ class FusedStack {
           rms_norm_row(k + hh * hd, ks, d_.eps, hd, k + hh * hd);
           rope_head(k + hh * hd, cos + t * half, sin + t * half, half);
         }
-        const int64_t kv_row = bt.slot_mapping[t];
-        std::memcpy(k_cache + kv_row * row_size, k, row_size * sizeof(float));
+        // V rows as they are; K transposed within its block: k_cache[block][head][dim][offset]
+        const int64_t kv_row = bt.slot_mapping[t], block = kv_row / block_size, offset = kv_row % block_size;
         std::memcpy(v_cache + kv_row * row_size, k + row_size, row_size * sizeof(float));
+        float* kt = k_cache + block * row_size * block_size + offset;
+        for (int64_t e = 0; e < row_size; ++e) kt[e * block_size] = k[e];
       }
 
       // 2. each query token attends to positions 0 .. its own, read through its sequence's block table:
@@ -615,23 +649,25 @@ class FusedStack {
         const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
         if (n <= kShortSegment) continue;
         const int64_t L = bt.positions[t0 + n - 1] + 1;
-        const int64_t* table = bt.block_tables + b * bt.table_width;
-        at::Tensor rows = at::empty({L}, at::kLong);
-        int64_t* rp = rows.data_ptr<int64_t>();
-        for (int64_t j = 0; j < L; ++j) rp[j] = row_of(table, j);
-        auto gather = [&](const at::Tensor& cache) {  // [1, nkv, L, hd]
-          return cache.view({-1, nkv, hd}).index_select(0, rows).transpose(0, 1).unsqueeze(0);
+        const int64_t nb = (L + block_size - 1) / block_size;
+        at::Tensor blocks = at::from_blob(const_cast<int64_t*>(bt.block_tables + b * bt.table_width), {nb},
+                                          at::kLong);
+        auto heads_first = [&](const at::Tensor& rows) {  // [nb * block_size, nkv, hd] -> [1, nkv, L, hd]
+          return rows.narrow(0, 0, L).transpose(0, 1).unsqueeze(0);
         };
+        at::Tensor keys = heads_first(
+            w.k_cache.index_select(0, blocks).permute({0, 3, 1, 2}).reshape({nb * block_size, nkv, hd}));
+        at::Tensor values = heads_first(w.v_cache.index_select(0, blocks).reshape({nb * block_size, nkv, hd}));
         at::Tensor q = proj.narrow(0, t0, n).narrow(1, 0, q_width).view({n, nh, 2 * hd}).narrow(2, 0, hd);
         std::optional<at::Tensor> mask;  // the n queries are the last n of the L positions
         if (L != n) mask = at::arange(L).unsqueeze(0) <= at::arange(L - n, L).unsqueeze(1);
-        at::Tensor out = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), gather(w.k_cache),
-                                                          gather(w.v_cache), mask, 0.0, L == n, scale, true);
+        at::Tensor out = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, mask,
+                                                          0.0, L == n, scale, true);
         attn.narrow(0, t0, n).view({n, nh, hd}).copy_(out[0].transpose(0, 1));
       }
       at::parallel_for(0, bt.B, 1, [&](int64_t b0, int64_t b1) {
         std::vector<float> probs;  // [group, L]
-        std::vector<int64_t> rows;   // offset (in floats) of each position's cache row
+        std::vector<int64_t> rows;   // offset (in floats) of each position's V row
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
           if (n > kShortSegment) continue;
@@ -643,9 +679,10 @@ class FusedStack {
             probs.resize(group * L);
             for (int64_t kvh = 0; kvh < nkv; ++kvh) {
               const float* q0 = pp + t * width + kvh * group * 2 * hd;  // head g of the group: q0 + g * 2hd
-              for (int64_t j = 0; j < L; ++j) {
-                const float* k = k_cache + rows[j] + kvh * hd;
-                for (int64_t g = 0; g < group; ++g) probs[g * L + j] = dot(q0 + g * 2 * hd, k, hd) * scale;
+              for (int64_t j0 = 0; j0 < L; j0 += block_size) {
+                const float* kt = k_cache + (table[j0 / block_size] * nkv + kvh) * hd * block_size;
+                block_scores(q0, 2 * hd, group, kt, hd, block_size, scale, probs.data() + j0, L,
+                             std::min(block_size, L - j0));
               }
               for (int64_t g = 0; g < group; ++g) softmax_row(probs.data() + g * L, L);
               float* o0 = ap + t * nh * hd + kvh * group * hd;
