@@ -66,8 +66,10 @@ def layer_detail(
             _t("K / V (new tokens)", "activation", act, "layer", _s(T, nkv, hd) + " ×2",
                _s(T, nkvr, hd) + " ×2"),
             _t("scores / weights", "activation", "float32", "layer", _s(nh, T, "L"), _s(nhr, T, "L")),
+            # keys transposed within a block (deltaserve/ops/attention.py), values row by row
             _t("KV cache", "cache", kv, "request",
-               _s(num_blocks, block_size, nkv, hd) + " ×2", _s(num_blocks, block_size, nkvr, hd) + " ×2"),
+               f"K {_s(num_blocks, nkv, hd, block_size)}, V {_s(num_blocks, block_size, nkv, hd)}",
+               f"K {_s(num_blocks, nkvr, hd, block_size)}, V {_s(num_blocks, block_size, nkvr, hd)}"),
         ]
     else:
         Hk, Hv, dk, dv, K = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
