@@ -489,7 +489,7 @@ class FusedStack {
     {
       Timed timed(slot(kRecurrence));
       at::parallel_for(0, bt.B, 1, [&](int64_t b0, int64_t b1) {
-        std::vector<float> mixed(C), kv_mem(dv), u(dv);
+        std::vector<float> mixed(C), u(dv);
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t state_slot = bt.state_slots[b], row = bt.spec_index[b];
           const bool fresh = bt.context_lens[b] == 0;
@@ -562,26 +562,34 @@ class FusedStack {
               const float beta = sigmoid(braw[hv]);
               const float decay = std::exp(neg_a[hv] * softplus(araw[hv] + dt_bias[hv]));
               float* Sh = S + hv * dk * dv;
-              // kv_mem = (decay S)^T k, reading S once; the decay is applied in the update pass below
-              std::fill(kv_mem.begin(), kv_mem.end(), 0.0f);
-              for (int64_t a = 0; a < dk; ++a) {
-                const float* Sa = Sh + a * dv;
-                const float ka = k[a];
-#pragma omp simd
-                for (int64_t j = 0; j < dv; ++j) kv_mem[j] += Sa[j] * ka;
-              }
-#pragma omp simd
-              for (int64_t j = 0; j < dv; ++j) u[j] = beta * (v[j] - decay * kv_mem[j]);
+              // One read pass gives S^T k and S^T q, 16 value dims at a time in registers; then, with
+              //   S' = decay S + k u^T,  u = beta (v - decay S^T k),  o = S'^T q = decay S^T q + (k.q) u,
+              // one pass writes S'. (The reference decays S first; same maths, other rounding order.)
+              const float kq = dot(k, q, dk);
               float* o = o_t + hv * dv;
-              std::fill(o, o + dv, 0.0f);
+              for (int64_t j0 = 0; j0 < dv; j0 += 16) {
+                const int64_t w = std::min<int64_t>(16, dv - j0);
+                float sk[16] = {}, sq[16] = {};
+                for (int64_t a = 0; a < dk; ++a) {
+                  const float* Sa = Sh + a * dv + j0;
+                  const float ka = k[a], qa = q[a];
+#pragma omp simd
+                  for (int64_t l = 0; l < w; ++l) {
+                    sk[l] += Sa[l] * ka;
+                    sq[l] += Sa[l] * qa;
+                  }
+                }
+#pragma omp simd
+                for (int64_t l = 0; l < w; ++l) {
+                  u[j0 + l] = beta * (v[j0 + l] - decay * sk[l]);
+                  o[l + j0] = decay * sq[l] + kq * u[j0 + l];
+                }
+              }
               for (int64_t a = 0; a < dk; ++a) {
                 float* Sa = Sh + a * dv;
-                const float ka = k[a], qa = q[a];
+                const float ka = k[a];
 #pragma omp simd
-                for (int64_t j = 0; j < dv; ++j) {
-                  Sa[j] = Sa[j] * decay + ka * u[j];
-                  o[j] += Sa[j] * qa;
-                }
+                for (int64_t j = 0; j < dv; ++j) Sa[j] = Sa[j] * decay + ka * u[j];
               }
               // gated RMSNorm: o * rsqrt(mean(o^2) + eps) * w * silu(z)
               const float r = 1.0f / std::sqrt(dot(o, o, dv) / static_cast<float>(dv) + d_.eps);
