@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import sys
 import time
 from collections import defaultdict
@@ -26,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from report import machine, write_section  # noqa: E402
+from report import machine, timed_into, write_section  # noqa: E402
 
 from deltaserve import LLM, SamplingParams  # noqa: E402
 from deltaserve.assets import DEMO_DIR  # noqa: E402
@@ -103,16 +104,7 @@ def profile(llm: LLM, tokens: int, steps: int = 40) -> dict[str, float]:
     engine = llm.engine
     runner = engine.runner
     spent: dict[str, float] = defaultdict(float)
-
-    def timed(name: str, fn):
-        def wrapper(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                spent[name] += time.perf_counter() - t
-        return wrapper
-
+    timed = functools.partial(timed_into, spent)
     if runner.fused is not None:  # the fused C++ step (the default) or the Python model
         runner.fused = _TimedTrunk(runner.fused, timed("trunk verify forward", runner.fused.__call__))
     else:

@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from report import machine, write_section  # noqa: E402
+from report import machine, timed_into, write_section  # noqa: E402
 
 from deltaserve import LLM, SamplingParams  # noqa: E402
 
@@ -34,18 +34,8 @@ def instrument(llm: LLM) -> dict[str, float]:
     """Wraps the runner's logits and sampler to time them; the fused step profiles itself."""
     runner = llm.engine.runner
     spent: dict[str, float] = defaultdict(float)
-
-    def timed(name: str, fn):
-        def wrapper(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                spent[name] += time.perf_counter() - t
-        return wrapper
-
-    runner.compute_logits = timed("lm_head logits", runner.compute_logits)
-    runner.sampler = timed("sampler", runner.sampler)
+    runner.compute_logits = timed_into(spent, "lm_head logits", runner.compute_logits)
+    runner.sampler = timed_into(spent, "sampler", runner.sampler)
     return spent
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import platform
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,3 +44,16 @@ def write_section(heading: str, text: str, path: Path = DOC) -> None:
         new = "".join(lines[:start]) + text + ("\n" + "".join(lines[end:]) if end < len(lines) else "")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(new)
+
+
+def timed_into(spent: dict[str, float], name: str, fn: Callable) -> Callable:
+    """fn, adding the seconds each call takes to spent[name] (a defaultdict(float))."""
+
+    def wrapper(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            spent[name] += time.perf_counter() - t
+
+    return wrapper

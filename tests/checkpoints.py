@@ -64,6 +64,12 @@ def random_hf_model(shape: dict = TINY, seed: int = 0, tie: bool = False, layer_
     return model
 
 
+def tied_odd_pattern_model(seed: int = 2):
+    """A random TINY model with tied embeddings and an attention layer first: 5 layers, not [lin x3, full]."""
+    pattern = ["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"]
+    return random_hf_model(dict(TINY, num_hidden_layers=5), seed=seed, tie=True, layer_types=pattern)
+
+
 def random_mtp_tensors(shape: dict, seed: int = 1) -> dict[str, torch.Tensor]:
     """mtp.* tensors for the official layout: fc, two pre-fc norms, one attention decoder layer, norm."""
     g = torch.Generator().manual_seed(seed)

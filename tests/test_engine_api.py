@@ -153,3 +153,24 @@ def test_request_ids_of_live_sequences_cannot_collide(path: Path) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.cache.usage().used_blocks == 0
+
+
+def test_finished_only_steps_report_just_the_finished_requests(path: Path) -> None:
+    """LLM.generate asks step() for finished requests only; what they report equals the streamed last output."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9)]
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    last: dict[str, object] = {}
+    finals: dict[str, object] = {}
+    for finished_only, seen in ((False, last), (True, finals)):
+        llm = LLM(model=str(path))
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            llm.engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+        while llm.engine.has_unfinished_requests():
+            for out in llm.engine.step(finished_only=finished_only):
+                assert out.finished or not finished_only
+                seen[out.request_id] = out
+    assert all(o.finished for o in last.values())
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == last[rid].outputs[0].token_ids
+        assert out.outputs[0].text == last[rid].outputs[0].text
+    assert sorted(finals) == ["r0", "r1"]

@@ -18,6 +18,7 @@ from tests.checkpoints import (
     random_mtp_tensors,
     save_causal_lm_layout,
     save_official_layout,
+    tied_odd_pattern_model,
 )
 
 BLOCK = 16
@@ -34,8 +35,7 @@ def model(request, tmp_path_factory):
             for p in hf.parameters():
                 p.copy_(p.bfloat16().float())
     else:
-        pattern = ["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"]
-        hf = random_hf_model(dict(TINY, num_hidden_layers=5), seed=2, tie=True, layer_types=pattern)
+        hf = tied_odd_pattern_model(seed=2)
     save_causal_lm_layout(hf, path)
     return load_model(path, dtype="float32")
 

@@ -15,6 +15,7 @@ from tests.checkpoints import (
     random_mtp_tensors,
     save_causal_lm_layout,
     save_official_layout,
+    tied_odd_pattern_model,
 )
 
 TOL = 1e-4
@@ -32,8 +33,7 @@ def pair(request, tmp_path_factory):
         hf = random_hf_model(RATIOS_27B, seed=1)
         save_causal_lm_layout(hf, path)
     else:
-        pattern = ["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"]
-        hf = random_hf_model(dict(TINY, num_hidden_layers=5), seed=2, tie=True, layer_types=pattern)
+        hf = tied_odd_pattern_model(seed=2)
         save_causal_lm_layout(hf, path)
     return hf, load_model(path, dtype="float32")
 

@@ -122,7 +122,7 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generating", unit="req")
         try:
             while len(final) < len(ids) and self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self.engine.step(finished_only=True):
                     if out.finished and out.request_id in wanted:
                         final[out.request_id] = out
                         if bar is not None:

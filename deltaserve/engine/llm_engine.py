@@ -282,7 +282,10 @@ class LLMEngine:
         return len(self.groups)
 
     # ---- the loop -------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One scheduled forward. Returns a RequestOutput for every request that got tokens (streaming
+        needs them), or with finished_only only for requests that finished (as vLLM's FINAL_ONLY output
+        kind, which LLM.generate uses): building the others' outputs copies every token list every step."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
         sched = self.scheduler.schedule()
         self.last_schedule = sched
@@ -320,7 +323,8 @@ class LLMEngine:
                 self._append_token(req, token, lp, now)
                 touched[req.group.request_id] = req.group
         for group in touched.values():
-            outputs.append(group.output())
+            if group.finished or not finished_only:
+                outputs.append(group.output())
             if group.finished:
                 del self.groups[group.request_id]
                 for req in group.children:
