@@ -173,3 +173,26 @@ def test_the_fused_step_profiles_its_parts(model) -> None:
     assert parts["projections"] > 0 and parts["attention"] > 0 and parts["gdn_conv_and_recurrence"] > 0
     assert parts["forward"] > parts["projections"] + parts["attention"] + parts["gdn_conv_and_recurrence"]
     assert all(v == 0 for v in fused.profile().values())  # reading clears
+
+
+def test_threads_split_the_work_without_changing_it(model) -> None:
+    """The step splits panels and sequences over torch's threads (the server may run with several); each of
+    its outputs is still computed by one thread in one order. (MKL, for fp32-valued weights, may block its
+    GEMM differently per thread count, hence a rounding-level tolerance.)"""
+    results = []
+    for threads in (1, 2):
+        cache = junk_cache(model, 1)
+        fused = FusedTrunk(model, cache)
+        ids = torch.arange(40) % model.config.vocab_size
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.inference_mode():
+                hidden = fused(ids, context(cache, [(20, 0), (17, 0), (1, 0), (2, 0)]))
+                step = fused(ids[:4], context(cache, [(1, 20), (1, 17), (1, 1), (1, 2)]))
+        finally:
+            torch.set_num_threads(before)
+        results.append((hidden, step, [t.clone() for t in cache.ssm.values()]))
+    (h1, s1, ssm1), (h2, s2, ssm2) = results
+    for a, b in [(h1, h2), (s1, s2), *zip(ssm1, ssm2)]:
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

@@ -33,8 +33,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
     seed: int = 0
-    # True: every step runs the Python model op by op. False: steps of short segments (decode, verify) run
-    # the fused C++ step when the model and cache are float32 (vLLM's name for "no graphs / compilation").
+    # True: every step runs the Python model op by op. False: steps run the fused C++ step when the model
+    # and cache are float32 (deltaserve/model/fused.py; vLLM's name for "no graphs / compilation").
     enforce_eager: bool = False
 
     @property
