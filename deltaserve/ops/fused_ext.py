@@ -43,11 +43,14 @@ def load_extension():
             name = f"deltaserve_fused_step_{_cpu_tag()}"
             build_dir = Path(_get_build_directory(name, verbose=False))
             if not any(build_dir.glob("*.so")):
-                log.info("building the fused decode step (C++, once per machine; about 30 s)")
+                log.info("building the fused step (C++, once per machine; about 30 s)")
             try:
+                # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers; without it the step's loops
+                # ran on one thread whatever torch.set_num_threads said. The process keeps one OpenMP
+                # runtime: torch's own libgomp.so.1 is already loaded under that name.
                 _module = load(
-                    name=name, sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False,
+                    name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False,
                 )
             except Exception as e:  # compiler missing or failing: say so, the caller falls back
                 raise FusedBuildError(f"could not build the fused step from {SOURCE.name}: {e}") from e
