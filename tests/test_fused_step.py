@@ -176,23 +176,26 @@ def test_the_fused_step_profiles_its_parts(model) -> None:
 
 
 def test_threads_split_the_work_without_changing_it(model) -> None:
-    """The step splits panels and sequences over torch's threads (the server may run with several); each of
-    its outputs is still computed by one thread in one order. (MKL, for fp32-valued weights, may block its
-    GEMM differently per thread count, hence a rounding-level tolerance.)"""
+    """With enough work (8 prompts of 600 tokens, then their decodes over 600 cached positions) the step
+    splits panels, sequences and attention rows over torch's threads; each of its outputs is still computed
+    by one thread in one order. (MKL, for fp32-valued weights, may block its GEMM differently per thread
+    count, hence a rounding-level tolerance.)"""
+    B, n, blocks = 8, 600, 40  # 40 blocks of 16 = 640 positions per sequence
+    tables = [list(range(blocks * b, blocks * (b + 1))) for b in range(B)]
+    ids = torch.arange(B * n) % model.config.vocab_size
     results = []
     for threads in (1, 2):
-        cache = junk_cache(model, 1)
+        cache = allocate_cache(model.config, num_blocks=B * blocks, block_size=BLOCK, num_slots=B)
         fused = FusedTrunk(model, cache)
-        ids = torch.arange(40) % model.config.vocab_size
+        prompts = ForwardContext.paged(cache, [n] * B, [0] * B, tables, list(range(B)))
+        decodes = ForwardContext.paged(cache, [1] * B, [n] * B, tables, list(range(B)))
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
             with torch.inference_mode():
-                hidden = fused(ids, context(cache, [(20, 0), (17, 0), (1, 0), (2, 0)]))
-                step = fused(ids[:4], context(cache, [(1, 20), (1, 17), (1, 1), (1, 2)]))
+                outs = [fused(ids, prompts), fused(ids[:B], decodes)]
         finally:
             torch.set_num_threads(before)
-        results.append((hidden, step, [t.clone() for t in cache.ssm.values()]))
-    (h1, s1, ssm1), (h2, s2, ssm2) = results
-    for a, b in [(h1, h2), (s1, s2), *zip(ssm1, ssm2)]:
+        results.append(outs + [t.clone() for t in cache.ssm.values()])
+    for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

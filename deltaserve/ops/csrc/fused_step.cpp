@@ -67,6 +67,16 @@ inline void softmax_row(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
 
+// Splitting a loop over threads costs a fork/join and wakes threads that may be serving HTTP: only worth it
+// for this much work per thread (multiply-adds, about 20-50 us on one core).
+constexpr int64_t kMinWorkPerThread = 1 << 20;
+
+// The grain for at::parallel_for over n items of `work_per_item` each: the whole range inline when it is
+// small, else chunks of at least kMinWorkPerThread.
+inline int64_t grain_for(int64_t work_per_item) {
+  return std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(work_per_item, 1));
+}
+
 // Query heads per KV head that the attention loops keep in registers (larger groups take plain loops).
 constexpr int64_t kMaxGroup = 8;
 
@@ -197,7 +207,7 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, P, grain_for(T * K * kPanel), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const uint16_t* panel = wp + p * K * kPanel;
       const int64_t n0 = p * kPanel, ncols = std::min(kPanel, N - n0);
@@ -488,7 +498,8 @@ class FusedStack {
 
     {
       Timed timed(slot(kRecurrence));
-      at::parallel_for(0, bt.B, 1, [&](int64_t b0, int64_t b1) {
+      const int64_t work_per_seq = (bt.T / std::max<int64_t>(bt.B, 1) + 1) * Hv * dk * dv * 3;
+      at::parallel_for(0, bt.B, grain_for(work_per_seq), [&](int64_t b0, int64_t b1) {
         std::vector<float> mixed(C), u(dv);
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t state_slot = bt.state_slots[b], row = bt.spec_index[b];
@@ -673,7 +684,12 @@ class FusedStack {
                                                           0.0, L == n, scale, true);
         attn.narrow(0, t0, n).view({n, nh, hd}).copy_(out[0].transpose(0, 1));
       }
-      at::parallel_for(0, bt.B, 1, [&](int64_t b0, int64_t b1) {
+      int64_t short_work = 0;  // query x key pairs of the short segments, times the head work
+      for (int64_t b = 0; b < bt.B; ++b) {
+        const int64_t n = bt.qsl[b + 1] - bt.qsl[b];
+        if (n <= kShortSegment) short_work += n * (bt.positions[bt.qsl[b + 1] - 1] + 1) * nh * hd * 2;
+      }
+      at::parallel_for(0, bt.B, grain_for(short_work / std::max<int64_t>(bt.B, 1)), [&](int64_t b0, int64_t b1) {
         std::vector<float> probs;  // [group, L]
         std::vector<int64_t> rows;   // offset (in floats) of each position's V row
         for (int64_t b = b0; b < b1; ++b) {
