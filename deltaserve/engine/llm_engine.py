@@ -142,15 +142,22 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = sorted(eos)
         sampler = Sampler(self.eos_token_ids)
+        fused = self._fused_trunk()
+        # Logits of chosen rows: the fused step's projection when it is there (same maths).
+        compute_logits = fused.logits if fused is not None else self.model.compute_logits
         spec = None
         self.spec_metrics: SpecDecodeMetrics | None = None
         if k:
-            spec = SpecDecoder(self.model, self.cache_tensors, self.cache, sampler, k, self.max_model_len)
+            mtp_hidden = self.model.mtp_hidden
+            if fused is not None and len(self.model.mtp.layers) == 1:
+                mtp_hidden = FusedMTP(self.model, self.cache_tensors)  # the draft passes in C++ too
+            spec = SpecDecoder(
+                self.cache_tensors, self.cache, sampler, k, self.max_model_len, compute_logits, mtp_hidden
+            )
             self.spec_metrics = SpecDecodeMetrics(accepted_per_position=[0] * k)
-        fused = self._fused_trunk()
-        if fused is not None and spec is not None and len(self.model.mtp.layers) == 1:
-            spec.mtp_hidden = FusedMTP(self.model, self.cache_tensors)  # the draft passes in C++ too
-        self.runner = ModelRunner(self.model, self.cache_tensors, self.cache, sampler, spec, fused=fused)
+        self.runner = ModelRunner(
+            self.model, self.cache_tensors, self.cache, sampler, compute_logits, spec, fused=fused
+        )
         self.groups: dict[str, RequestGroup] = {}
         self.requests: dict[str, Request] = {}
         self._aborted_outputs: list[RequestOutput] = []

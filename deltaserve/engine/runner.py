@@ -4,6 +4,7 @@ speculation, verify rows go to the SpecDecoder and propose() drafts for the next
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,14 +28,13 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(
         self, model: Qwen3_5ForCausalLM, cache: CacheTensors, manager: CacheManager, sampler: Sampler,
-        spec: SpecDecoder | None = None, fused: FusedTrunk | None = None,
+        compute_logits: Callable[..., torch.Tensor], spec: SpecDecoder | None = None,
+        fused: FusedTrunk | None = None,
     ) -> None:
+        """compute_logits: the model's own, or the fused step's projection (same signature and maths)."""
         self.model = model
         self.fused = fused
-        # Logits of chosen rows: the C++ projection when the fused step is there (same maths).
-        self.compute_logits = fused.logits if fused is not None else model.compute_logits
-        if spec is not None:
-            spec.compute_logits = self.compute_logits
+        self.compute_logits = compute_logits
         self.cache = cache
         self.manager = manager
         self.sampler = sampler

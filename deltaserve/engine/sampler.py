@@ -119,10 +119,7 @@ class Sampler:
     def _modifies(self, s: SequenceSamplingState) -> bool:
         """Whether process_logits would change this sequence's row."""
         p = s.params
-        return bool(
-            p.logit_bias or len(s.output_token_ids) < p.min_tokens or p.repetition_penalty != 1.0
-            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        )
+        return bool(p.logit_bias) or len(s.output_token_ids) < p.min_tokens or _has_penalties(p)
 
     # ---- stages (public so speculative decoding can build the same target distribution) ----------------
     def process_logits(self, logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> torch.Tensor:
@@ -163,12 +160,12 @@ class Sampler:
         return probs
 
 
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 def _apply_penalties(logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> None:
-    rows = [
-        i for i, s in enumerate(states)
-        if s.params.repetition_penalty != 1.0 or s.params.presence_penalty != 0.0
-        or s.params.frequency_penalty != 0.0
-    ]
+    rows = [i for i, s in enumerate(states) if _has_penalties(s.params)]
     if not rows:
         return
     vocab = logits.shape[1]

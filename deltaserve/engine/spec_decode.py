@@ -25,7 +25,7 @@ at position t, i.e. after reading x_0..x_t):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,18 +65,17 @@ def _uniform(generator: torch.Generator | None) -> float:
 
 class SpecDecoder:
     def __init__(
-        self, model: torch.nn.Module, cache: CacheTensors, manager: CacheManager, sampler: Sampler,
-        num_speculative_tokens: int, max_model_len: int,
+        self, cache: CacheTensors, manager: CacheManager, sampler: Sampler, num_speculative_tokens: int,
+        max_model_len: int, compute_logits: Callable[..., torch.Tensor], mtp_hidden: Callable[..., torch.Tensor],
     ) -> None:
-        self.model = model
+        """compute_logits and mtp_hidden are the model's own, or the fused step's (same signatures)."""
         self.cache = cache
         self.manager = manager
         self.sampler = sampler
         self.k = num_speculative_tokens
-        # The engine swaps in the fused step's versions of these two when it has them.
-        self.compute_logits = model.compute_logits
-        self.mtp_hidden = model.mtp_hidden
         self.max_model_len = max_model_len
+        self.compute_logits = compute_logits
+        self.mtp_hidden = mtp_hidden
 
     # ---- verification -----------------------------------------------------------------------------------
     def verify(

@@ -67,8 +67,9 @@ class GatedAttention(nn.Module):
         write_kv(k_cache, v_cache, ctx.slot_mapping, k, v)
         out = torch.empty_like(q)
         if ctx.decode_seqs:
-            out[ctx.decode_tokens] = decode_attention(
-                q[ctx.decode_tokens], k_cache, v_cache, ctx.decode_block_tables, ctx.decode_seq_lens, self.scale
+            d = ctx.decode
+            out[d.tokens] = decode_attention(
+                q[d.tokens], k_cache, v_cache, d.block_tables, d.seq_lens, self.scale
             )
         for b in ctx.prefill_seqs + ctx.spec_seqs:  # a verify segment attends like a short chunk
             s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]

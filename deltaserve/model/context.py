@@ -39,6 +39,17 @@ class ForwardTrace(Protocol):
 
 
 @dataclass(slots=True)
+class DecodeBatch:
+    """The sequences of a cached forward that bring exactly one new token (decode_seqs), as tensors."""
+
+    tokens: torch.Tensor  # [D] token index of each
+    keep: torch.Tensor  # [D] 1.0 = continue the cached GDN state, 0.0 = fresh start
+    slots: torch.Tensor  # [D] GDN state slot
+    seq_lens: torch.Tensor  # [D] cached + new tokens
+    block_tables: torch.Tensor  # [D, max_blocks]
+
+
+@dataclass(slots=True)
 class ForwardContext:
     """A flat batch of B sequences, T tokens in all. Sequence b owns tokens
     query_start_loc[b] : query_start_loc[b+1]; context_lens[b] of its tokens were cached by earlier
@@ -64,12 +75,7 @@ class ForwardContext:
     seq_lens: list[int] = field(default_factory=list)
     decode_seqs: list[int] = field(default_factory=list)  # sequences with exactly one new token
     prefill_seqs: list[int] = field(default_factory=list)  # the others (prompt chunks)
-    decode_tokens: torch.Tensor | None = None  # [D] token index of each decode sequence
-    # Per decode sequence, computed once per forward rather than in every layer:
-    decode_keep: torch.Tensor | None = None  # [D] 1.0 = continue the cached GDN state, 0.0 = fresh start
-    decode_slots: torch.Tensor | None = None  # [D] GDN state slot
-    decode_seq_lens: torch.Tensor | None = None  # [D] cached + new tokens
-    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks]
+    _decode: DecodeBatch | None = field(default=None, init=False, repr=False)  # see `decode`
     spec_seqs: list[int] = field(default_factory=list)  # verify segments (never fresh)
     spec_tokens: torch.Tensor | None = None  # [S, L] token index per position, padded with the last one
     spec_valid: torch.Tensor | None = None  # [S, L] bool: real (not padding) positions
@@ -99,12 +105,21 @@ class ForwardContext:
             starts = torch.tensor([qsl[b] for b in self.spec_seqs])
             self.spec_valid = offs[None, :] < lens[:, None]
             self.spec_tokens = starts[:, None] + torch.minimum(offs[None, :], lens[:, None] - 1)
-        self.decode_tokens = torch.tensor([qsl[b] for b in self.decode_seqs], dtype=torch.long)
-        self.decode_keep = torch.tensor([float(self.context_lens[b] > 0) for b in self.decode_seqs])
-        if self.decode_seqs:
-            self.decode_slots = self.state_slots[self.decode_seqs]
-            self.decode_seq_lens = torch.tensor([self.seq_lens[b] for b in self.decode_seqs])
-            self.decode_block_tables = self.block_tables[self.decode_seqs]
+
+    @property
+    def decode(self) -> DecodeBatch:
+        """The decode sequences as tensors, built on first use and then shared by every layer: only the
+        Python layers read them (the fused step does not, so its steps never build them)."""
+        if self._decode is None:
+            seqs, qsl = self.decode_seqs, self.query_start_loc
+            self._decode = DecodeBatch(
+                tokens=torch.tensor([qsl[b] for b in seqs], dtype=torch.long),
+                keep=torch.tensor([float(self.context_lens[b] > 0) for b in seqs]),
+                slots=self.state_slots[seqs],
+                seq_lens=torch.tensor([self.seq_lens[b] for b in seqs]),
+                block_tables=self.block_tables[seqs],
+            )
+        return self._decode
 
     @property
     def num_seqs(self) -> int:

@@ -95,8 +95,8 @@ def _layer_tensors(layer: torch.nn.Module, cache: CacheTensors) -> list[torch.Te
 class _FusedStack:
     """Python side of the C++ FusedStack: builds its tensor list, runs it on a ForwardContext."""
 
-    def __init__(self, model: torch.nn.Module, cache: CacheTensors, embed: torch.Tensor, final_norm, prologue,
-                 layers) -> None:
+    def __init__(self, model: torch.nn.Module, cache: CacheTensors, embed: torch.Tensor, final_norm,
+                 lm_head: list[torch.Tensor], prologue: list[torch.Tensor], layers) -> None:
         reason = supported(model, cache)
         if reason is not None:
             raise ValueError(f"the fused step cannot run this model: {reason}")
@@ -104,7 +104,7 @@ class _FusedStack:
         cfg = model.config
         with torch.no_grad():
             tensors = [embed.detach(), _one_plus(final_norm), model.model.rotary.inv_freq.contiguous()]
-            tensors += _linear(model.lm_head.weight) + prologue
+            tensors += lm_head + prologue
             for layer in layers:
                 tensors += _layer_tensors(layer, cache)
         dims = [
@@ -116,12 +116,6 @@ class _FusedStack:
         is_gdn = [int(layer.layer_type == "linear_attention") for layer in layers]
         self._impl = ext.FusedStack(tensors, is_gdn, dims, cfg.rms_norm_eps, bool(prologue))
         self.gdn_layer_ids = [layer.layer_id for layer in layers if layer.layer_type == "linear_attention"]
-
-    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
-        """The model's compute_logits, through the C++ projection (bf16-stored lm_head for a few rows)."""
-        if rows is not None:
-            hidden = hidden[rows]
-        return self._impl.logits(hidden.float())
 
     PROFILE_PARTS = ("projections", "gdn_conv_and_recurrence", "attention", "forward")
 
@@ -156,7 +150,15 @@ class FusedTrunk(_FusedStack):
 
     def __init__(self, model: torch.nn.Module, cache: CacheTensors) -> None:
         text = model.model
-        super().__init__(model, cache, text.embed_tokens.weight, text.norm, [], list(text.layers))
+        super().__init__(
+            model, cache, text.embed_tokens.weight, text.norm, _linear(model.lm_head.weight), [], list(text.layers)
+        )
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+        """The model's compute_logits, through the C++ projection (bf16 panels when the weights allow)."""
+        if rows is not None:
+            hidden = hidden[rows]
+        return self._impl.logits(hidden.float())
 
     def __call__(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final-normed hidden states [T, H], like the model's forward; verify segments' per-position
@@ -173,12 +175,15 @@ class FusedMTP(_FusedStack):
             raise ValueError("the fused MTP head needs a model with exactly one MTP layer")
         embed = mtp.embed_tokens if mtp.embed_tokens is not None else model.model.embed_tokens
         prologue = _linear(mtp.fc.weight) + [_one_plus(mtp.pre_fc_norm_embedding), _one_plus(mtp.pre_fc_norm_hidden)]
-        super().__init__(model, cache, embed.weight, mtp.norm, prologue, list(mtp.layers))
+        # Drafts take their logits from the trunk's lm_head (FusedTrunk.logits): no second bf16 copy here.
+        lm_head = [model.lm_head.weight.detach(), torch.empty(0)]
+        super().__init__(model, cache, embed.weight, mtp.norm, lm_head, prologue, list(mtp.layers))
 
     def __call__(
         self, next_token_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, step: int = 0
     ) -> torch.Tensor:
-        """MTP hidden [T, H] from trunk (or previous MTP) hidden at t and token t+1."""
+        """MTP hidden [T, H] from trunk (or previous MTP) hidden at t and token t+1; `step` picks the MTP
+        layer in mtp_hidden, and with one layer there is nothing to pick."""
         return self._run(next_token_ids, ctx, hidden)
 
 

@@ -108,8 +108,7 @@ class GatedDeltaNet(nn.Module):
         T = qkv.shape[0]
         core = qkv.new_empty(T, self.num_v_heads, self.head_v_dim, dtype=torch.float32)
         if ctx.decode_seqs:
-            idx = ctx.decode_tokens
-            slots, keep = ctx.decode_slots, ctx.decode_keep
+            idx, slots, keep = ctx.decode.tokens, ctx.decode.slots, ctx.decode.keep
             conv_state = conv_cache[slots] * keep.to(conv_cache.dtype)[:, None, None]
             mixed, conv_state = causal_conv1d_step(qkv[idx], weight, conv_state)
             conv_cache[slots] = conv_state.to(conv_cache.dtype)

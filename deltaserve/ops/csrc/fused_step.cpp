@@ -357,6 +357,10 @@ class FusedStack {
       layers_.push_back(std::move(l));
     }
     TORCH_CHECK(i == tensors.size(), "FusedStack: ", tensors.size() - i, " tensors left over");
+    for (const Layer& l : layers_) {  // cache sizes, for check_batch (-1: no such layer in this stack)
+      if (l.gdn) num_slots_ = l.g.conv_cache.size(0);
+      else num_blocks_ = l.a.v_cache.size(0), block_size_ = l.a.v_cache.size(1);
+    }
   }
 
   // Returns the final-normed hidden states [T, hidden] and, per GDN layer, the per-position conv
@@ -446,11 +450,7 @@ class FusedStack {
   // The loops below index the caches with these numbers unchecked: check them once per step.
   void check_batch(const Batch& bt) const {
     TORCH_CHECK(bt.qsl[0] == 0 && bt.qsl[bt.B] == bt.T, "FusedStack: query_start_loc must span the T tokens");
-    int64_t slots = -1, blocks = -1, block_size = 1;
-    for (const Layer& l : layers_) {
-      if (l.gdn) slots = l.g.conv_cache.size(0);
-      else blocks = l.a.v_cache.size(0), block_size = l.a.v_cache.size(1);
-    }
+    const int64_t slots = num_slots_, blocks = num_blocks_, block_size = block_size_;
     for (int64_t b = 0; b < bt.B; ++b) {
       TORCH_CHECK(bt.qsl[b] <= bt.qsl[b + 1], "FusedStack: query_start_loc must not decrease");
       TORCH_CHECK(slots < 0 || (bt.state_slots[b] >= 0 && bt.state_slots[b] < slots), "FusedStack: state slot ",
@@ -729,6 +729,7 @@ class FusedStack {
   }
 
   Dims d_;
+  int64_t num_slots_ = -1, num_blocks_ = -1, block_size_ = 1;
   bool profiling_ = false;
   std::array<double, kParts> spent_{};
   at::Tensor embed_, final_scale_, inv_freq_;
