@@ -211,6 +211,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3, help="best of this many runs of each side")
     ap.add_argument("--skip-demo", action="store_true")
+    ap.add_argument("--skip-random", action="store_true", help="only the demo checkpoint (implies --no-write)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     n_cpus = torch.get_num_threads()
@@ -220,16 +221,17 @@ def main() -> None:
         rows += bench("demo", DEMO_DIR, args.requests, args.rounds)
     elif not args.skip_demo:
         print(f"skipping the demo checkpoint: no model.safetensors in {DEMO_DIR}")
-    with tempfile.TemporaryDirectory() as d:
-        path = build_random(Path(d))
-        n = sum(
-            t.numel()
-            for t in __import__("safetensors.torch").torch.load_file(str(path / "model.safetensors")).values()
-        )
-        rows += bench(f"random {n / 1e6:.0f}M", path, args.requests, args.rounds)
+    if not args.skip_random:
+        with tempfile.TemporaryDirectory() as d:
+            path = build_random(Path(d))
+            n = sum(
+                t.numel()
+                for t in __import__("safetensors.torch").torch.load_file(str(path / "model.safetensors")).values()
+            )
+            rows += bench(f"random {n / 1e6:.0f}M", path, args.requests, args.rounds)
     text = table(rows, n_cpus, args.rounds)
     print(text)
-    if not args.no_write:
+    if not (args.no_write or args.skip_random):
         write_section(SECTION, text)
 
 

@@ -24,11 +24,13 @@ from tests.checkpoints import (
 BLOCK = 16
 
 
-@pytest.fixture(scope="module", params=["tiny-fp32", "27b-ratios-bf16-values", "tied-odd-pattern"])
+@pytest.fixture(scope="module", params=["tiny-fp32", "27b-ratios-bf16-values", "tied-odd-pattern", "wide-gdn-heads"])
 def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     if request.param == "tiny-fp32":
         hf = random_hf_model(TINY, seed=0)
+    elif request.param == "wide-gdn-heads":  # value heads of 80 = 64 + 16: the register-tiled state reads
+        hf = random_hf_model(dict(TINY, linear_key_head_dim=32, linear_value_head_dim=80), seed=5)
     elif request.param == "27b-ratios-bf16-values":
         hf = random_hf_model(RATIOS_27B, seed=1)
         with torch.no_grad():  # a bf16 checkpoint computed in fp32: every weight is a bf16 number
@@ -102,9 +104,9 @@ def test_fused_steps_match_the_python_model(model) -> None:
 
 def test_fused_logits_for_few_and_many_rows(model) -> None:
     fused = FusedTrunk(model, allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1))
-    hidden = torch.randn(20, model.config.hidden_size)
-    with torch.inference_mode():
-        for rows in ([3], list(range(8)), list(range(20))):
+    hidden = torch.randn(200, model.config.hidden_size)
+    with torch.inference_mode():  # 200 rows: more than one of the panel kernel's row blocks
+        for rows in ([3], list(range(8)), list(range(20)), list(range(200))):
             torch.testing.assert_close(
                 fused.logits(hidden, rows), model.compute_logits(hidden, rows), atol=1e-5, rtol=1e-5
             )

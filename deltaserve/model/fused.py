@@ -39,7 +39,12 @@ PANEL = 64  # outputs per bf16 panel (kPanel in the C++)
 def _linear(weight: torch.Tensor) -> list[torch.Tensor]:
     """A projection for the C++ step: the fp32 weight [N, K] and, when all its values are bfloat16 numbers
     (a bf16 checkpoint computed in fp32), the same values as bf16 panels [ceil(N/64), K, 64], which the
-    C++ projections stream instead (half the bytes, identical products); else an empty tensor."""
+    C++ projections stream instead (half the bytes, identical products); else an empty tensor.
+
+    Within a panel's row k the 64 outputs are interleaved in two halves of 32: output 32h + i sits at
+    word 32h + 2i, and output 32h + 16 + i at word 32h + 2i + 1. Read as 32-bit lanes, the low words are
+    16 consecutive outputs and the high words the next 16, so the kernel turns 32 weights into fp32 with
+    one shift and one mask (kPanel in the C++)."""
     weight = weight.detach()
     as_bf16 = weight.to(torch.bfloat16)
     if not torch.equal(as_bf16.float(), weight):
@@ -47,7 +52,9 @@ def _linear(weight: torch.Tensor) -> list[torch.Tensor]:
     N, K = weight.shape
     P = -(-N // PANEL)
     padded = torch.cat([as_bf16, as_bf16.new_zeros(P * PANEL - N, K)])
-    return [weight, padded.view(P, PANEL, K).transpose(1, 2).contiguous()]
+    # [panel, half, low/high word, i, K] -> [panel, K, half, i, low/high word]
+    interleaved = padded.view(P, 2, 2, PANEL // 4, K).permute(0, 4, 1, 3, 2)
+    return [weight, interleaved.reshape(P, K, PANEL).contiguous()]
 
 
 def supported(model: torch.nn.Module, cache: CacheTensors) -> str | None:

@@ -20,6 +20,13 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 namespace {
 
 // exp(x) for fp32 as Cephes computes it (x = n ln2 + r, a degree-6 polynomial for e^r, times 2^n): within
@@ -53,9 +60,61 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// sk = S^T k and sq = S^T q for one head's recurrent state S [dk, dv], in one read of S.
+#if defined(__AVX512F__)
+// N x 16 value dims at a time: 2N accumulators stay in registers while the dk rows stream by.
+template <int N>
+inline void state_times_kq_block(const float* S, int64_t dk, int64_t dv, const float* k, const float* q,
+                                 float* sk, float* sq) {
+  __m512 ak[N], aq[N];
+  for (int c = 0; c < N; ++c) ak[c] = aq[c] = _mm512_setzero_ps();
+  for (int64_t a = 0; a < dk; ++a) {
+    const __m512 ka = _mm512_set1_ps(k[a]), qa = _mm512_set1_ps(q[a]);
+    for (int c = 0; c < N; ++c) {
+      const __m512 row = _mm512_loadu_ps(S + a * dv + 16 * c);
+      ak[c] = _mm512_fmadd_ps(row, ka, ak[c]);
+      aq[c] = _mm512_fmadd_ps(row, qa, aq[c]);
+    }
+  }
+  for (int c = 0; c < N; ++c) {
+    _mm512_storeu_ps(sk + 16 * c, ak[c]);
+    _mm512_storeu_ps(sq + 16 * c, aq[c]);
+  }
+}
+#endif
+
+inline void state_times_kq(const float* S, const float* k, const float* q, int64_t dk, int64_t dv, float* sk,
+                           float* sq) {
+#if defined(__AVX512F__)
+  if (dv % 16 == 0) {
+    for (int64_t j0 = 0; j0 < dv; j0 += 64) {
+      switch (std::min<int64_t>(4, (dv - j0) / 16)) {
+        case 1: state_times_kq_block<1>(S + j0, dk, dv, k, q, sk + j0, sq + j0); break;
+        case 2: state_times_kq_block<2>(S + j0, dk, dv, k, q, sk + j0, sq + j0); break;
+        case 3: state_times_kq_block<3>(S + j0, dk, dv, k, q, sk + j0, sq + j0); break;
+        default: state_times_kq_block<4>(S + j0, dk, dv, k, q, sk + j0, sq + j0); break;
+      }
+    }
+    return;
+  }
+#endif
+  std::fill(sk, sk + dv, 0.0f);
+  std::fill(sq, sq + dv, 0.0f);
+  for (int64_t a = 0; a < dk; ++a) {
+    const float* Sa = S + a * dv;
+    const float ka = k[a], qa = q[a];
+#pragma omp simd
+    for (int64_t j = 0; j < dv; ++j) {
+      sk[j] += Sa[j] * ka;
+      sq[j] += Sa[j] * qa;
+    }
+  }
+}
+
 // In-place softmax of one row of n scores.
 inline void softmax_row(float* x, int64_t n) {
   float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
   for (int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i]);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -77,64 +136,123 @@ inline int64_t grain_for(int64_t work_per_item) {
   return std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(work_per_item, 1));
 }
 
-// Query heads per KV head that the attention loops keep in registers (larger groups take plain loops).
-constexpr int64_t kMaxGroup = 8;
+// Asks for the cache lines of [p, p + bytes) ahead of use. The attention loops read the KV cache block by
+// block, each block its own 4 KB page where the hardware prefetcher starts cold; they ask for the next
+// block's lines (keys) or the row kPrefetchRows ahead (values) while they compute.
+constexpr int64_t kPrefetchRows = 16;
+inline void prefetch(const float* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
 
-// Scores of the G query heads of one KV head (head g's query at q0 + g * q_stride) against one cache block
-// of keys, kt [hd, block_size] (transposed: a dim's keys are contiguous): out[g * ld + l] = scale * q_g . k_l
-// for the first n offsets l. A block of 16 keeps every head's 16 scores in registers while the dims stream.
-inline void block_scores(const float* q0, int64_t q_stride, int64_t G, const float* kt, int64_t hd,
-                         int64_t block_size, float scale, float* out, int64_t ld, int64_t n) {
-  if (block_size != 16 || G > kMaxGroup) {  // plain loop for shapes the register tile does not cover
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t l = 0; l < n; ++l) {
-        float acc = 0.0f;
-        for (int64_t e = 0; e < hd; ++e) acc += q0[g * q_stride + e] * kt[e * block_size + l];
-        out[g * ld + l] = acc * scale;
+#if defined(__AVX512F__)
+// The register-tiled forms of block_scores and probs_times_v below, for a group of G <= 8 query heads per
+// KV head known at compile time (a runtime G left the accumulators on the stack, each FMA waiting on a
+// store). Larger groups, and machines without AVX-512, take the plain loops.
+template <int G>
+inline void block_scores_tile(const float* q0, int64_t q_stride, const float* kt, const float* next_kt,
+                              int64_t hd, float scale, float* out, int64_t ld, int64_t n) {
+  __m512 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < hd; ++e) {
+    if (next_kt != nullptr) __builtin_prefetch(next_kt + e * 16);  // a dim's 16 keys: one cache line
+    const __m512 k = _mm512_loadu_ps(kt + e * 16);
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q0[g * q_stride + e]), k, acc[g]);
+  }
+  const __mmask16 first_n = static_cast<__mmask16>((1u << n) - 1);
+  for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(out + g * ld, first_n, _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
+}
+
+// C x 16 output dims of all G heads per pass (G * C accumulators): each V row is read hd / (16 C) times.
+template <int G, int C>
+inline void probs_times_v_tile(const float* probs, int64_t L, const float* v_base, const int64_t* rows,
+                               int64_t hd, float* out) {
+  for (int64_t e0 = 0; e0 < hd; e0 += 16 * C) {
+    __m512 acc[G][C];
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < L; ++j) {
+      if (j + kPrefetchRows < L) prefetch(v_base + rows[j + kPrefetchRows] + e0, 64 * C);
+      const float* row = v_base + rows[j] + e0;
+      __m512 v[C];
+      for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(row + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(probs[g * L + j]);
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
       }
     }
-    return;
-  }
-  float acc[kMaxGroup][16] = {};
-  for (int64_t e = 0; e < hd; ++e) {
-    const float* k = kt + e * 16;
-    for (int64_t g = 0; g < G; ++g) {
-      const float qe = q0[g * q_stride + e];
-#pragma omp simd
-      for (int l = 0; l < 16; ++l) acc[g][l] += qe * k[l];
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * hd + e0 + 16 * c, acc[g][c]);
     }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t l = 0; l < n; ++l) out[g * ld + l] = acc[g][l] * scale;
   }
 }
 
-// out[g] = sum_j probs[g, j] v_j for the G query heads of one KV head, v_j = v_base + rows[j]: 16 output
-// dims of every head at a time stay in registers while the positions stream by, each V row read once.
+// The widest pass whose G * C accumulators and C value registers fit the 32 vector registers.
+template <int G>
+inline void probs_times_v_group(const float* probs, int64_t L, const float* v_base, const int64_t* rows,
+                                int64_t hd, float* out) {
+  constexpr int kWide = G <= 6 ? 4 : 2;
+  if (hd % (16 * kWide) == 0) return probs_times_v_tile<G, kWide>(probs, L, v_base, rows, hd, out);
+  probs_times_v_tile<G, 1>(probs, L, v_base, rows, hd, out);
+}
+#endif
+
+// Scores of the G query heads of one KV head (head g's query at q0 + g * q_stride) against one cache block
+// of keys, kt [hd, block_size] (transposed: a dim's keys are contiguous): out[g * ld + l] = scale * q_g . k_l
+// for the first n offsets l. A block of 16 keeps every head's 16 scores in a register while the dims stream.
+inline void block_scores(const float* q0, int64_t q_stride, int64_t G, const float* kt, const float* next_kt,
+                         int64_t hd, int64_t block_size, float scale, float* out, int64_t ld, int64_t n) {
+#if defined(__AVX512F__)
+  if (block_size == 16) {
+    switch (G) {
+      case 1: return block_scores_tile<1>(q0, q_stride, kt, next_kt, hd, scale, out, ld, n);
+      case 2: return block_scores_tile<2>(q0, q_stride, kt, next_kt, hd, scale, out, ld, n);
+      case 3: return block_scores_tile<3>(q0, q_stride, kt, next_kt, hd, scale, out, ld, n);
+      case 4: return block_scores_tile<4>(q0, q_stride, kt, next_kt, hd, scale, out, ld, n);
+      case 5: return block_scores_tile<5>(q0, q_stride, kt, next_kt, hd, scale, out, ld, n);
+      case 6: return block_scores_tile<6>(q0, q_stride, kt, next_kt, hd, scale, out, ld, n);
+      case 7: return block_scores_tile<7>(q0, q_stride, kt, next_kt, hd, scale, out, ld, n);
+      case 8: return block_scores_tile<8>(q0, q_stride, kt, next_kt, hd, scale, out, ld, n);
+      default: break;
+    }
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t l = 0; l < n; ++l) {
+      float acc = 0.0f;
+      for (int64_t e = 0; e < hd; ++e) acc += q0[g * q_stride + e] * kt[e * block_size + l];
+      out[g * ld + l] = acc * scale;
+    }
+  }
+}
+
+// out[g] = sum_j probs[g, j] v_j for the G query heads of one KV head, v_j = v_base + rows[j]: up to 64
+// output dims of every head at a time stay in registers while the positions stream by.
 inline void probs_times_v(const float* probs, int64_t L, int64_t G, const float* v_base, const int64_t* rows,
                           int64_t hd, float* out) {
-  if (G > kMaxGroup || hd % 16 != 0) {  // plain loop for shapes the register tile does not cover
-    std::fill(out, out + G * hd, 0.0f);
-    for (int64_t j = 0; j < L; ++j) {
-      const float* v = v_base + rows[j];
-      for (int64_t g = 0; g < G; ++g) {
-#pragma omp simd
-        for (int64_t e = 0; e < hd; ++e) out[g * hd + e] += probs[g * L + j] * v[e];
-      }
+#if defined(__AVX512F__)
+  if (hd % 16 == 0) {
+    switch (G) {
+      case 1: return probs_times_v_group<1>(probs, L, v_base, rows, hd, out);
+      case 2: return probs_times_v_group<2>(probs, L, v_base, rows, hd, out);
+      case 3: return probs_times_v_group<3>(probs, L, v_base, rows, hd, out);
+      case 4: return probs_times_v_group<4>(probs, L, v_base, rows, hd, out);
+      case 5: return probs_times_v_group<5>(probs, L, v_base, rows, hd, out);
+      case 6: return probs_times_v_group<6>(probs, L, v_base, rows, hd, out);
+      case 7: return probs_times_v_group<7>(probs, L, v_base, rows, hd, out);
+      case 8: return probs_times_v_group<8>(probs, L, v_base, rows, hd, out);
+      default: break;
     }
-    return;
   }
-  for (int64_t e0 = 0; e0 < hd; e0 += 16) {
-    float acc[kMaxGroup][16] = {};
-    for (int64_t j = 0; j < L; ++j) {
-      const float* v = v_base + rows[j] + e0;
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = probs[g * L + j];
+#endif
+  std::fill(out, out + G * hd, 0.0f);
+  for (int64_t j = 0; j < L; ++j) {
+    const float* v = v_base + rows[j];
+    for (int64_t g = 0; g < G; ++g) {
 #pragma omp simd
-        for (int l = 0; l < 16; ++l) acc[g][l] += p * v[l];
-      }
+      for (int64_t e = 0; e < hd; ++e) out[g * hd + e] += probs[g * L + j] * v[e];
     }
-    for (int64_t g = 0; g < G; ++g) std::memcpy(out + g * hd + e0, acc[g], 16 * sizeof(float));
   }
 }
 
@@ -163,16 +281,13 @@ inline void rope_head(float* x, const float* cos, const float* sin, int64_t half
   }
 }
 
-inline float bf16_to_float(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
 // A projection's weight [N, K] in fp32, and, when every value is exactly a bfloat16 (a bf16 checkpoint
 // computed in fp32), the same values as bf16 panels [ceil(N/64), K, 64] (rows padded with zeros): half the
-// bytes to stream, laid out so that a panel of 64 outputs is read front to back.
+// bytes to stream, laid out so that a panel of 64 outputs is read front to back. Within a panel row the
+// outputs are interleaved (deltaserve/model/fused.py, _linear): output 32h + i at word 32h + 2i and output
+// 32h + 16 + i at word 32h + 2i + 1, so that, read as 32-bit lanes, the low words are 16 consecutive outputs
+// and the high words the next 16. bf16 is the top half of an fp32: the low words shifted up by 16 bits and
+// the lanes with their low 16 bits cleared are the weights in fp32, exactly, two cheap ops for 32 weights.
 constexpr int64_t kPanel = 64;
 struct Linear {
   at::Tensor w, panels;
@@ -181,16 +296,53 @@ struct Linear {
 // Segments longer than this attend through torch's fused attention kernel; shorter ones in a plain loop.
 constexpr int64_t kShortSegment = 16;
 
-// R input rows times one panel: R x 64 fp32 accumulators in registers, each weight converted once (exactly:
-// bf16 is the top half of an fp32) and used for all R rows. The products and the fp32 accumulation are the
-// GEMM's; only the summation order differs.
+// The 64 weights of panel row k in fp32, in output order (the portable path; AVX-512 does it in registers).
+inline void panel_row_to_float(const uint16_t* row, float* w) {
+  for (int h = 0; h < 2; ++h) {
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t low = static_cast<uint32_t>(row[32 * h + 2 * i]) << 16;
+      const uint32_t high = static_cast<uint32_t>(row[32 * h + 2 * i + 1]) << 16;
+      std::memcpy(w + 32 * h + i, &low, sizeof(float));
+      std::memcpy(w + 32 * h + 16 + i, &high, sizeof(float));
+    }
+  }
+}
+
+// R input rows times one panel: R x 64 fp32 accumulators in registers, each weight converted once and used
+// for all R rows. The products and the fp32 accumulation are the GEMM's; only the summation order differs.
 template <int R>
 void panel_rows(const float* x, int64_t K, const uint16_t* panel, float* y, int64_t ldy, int64_t ncols) {
+#if defined(__AVX512F__)
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  const __m512i high_words = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512i lo = _mm512_loadu_si512(panel + k * kPanel), hi = _mm512_loadu_si512(panel + k * kPanel + 32);
+    const __m512 w[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
+                         _mm512_castsi512_ps(_mm512_and_si512(lo, high_words)),
+                         _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)),
+                         _mm512_castsi512_ps(_mm512_and_si512(hi, high_words))};
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (ncols == kPanel) {
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(y + r * ldy + 16 * j, acc[r][j]);
+    } else {  // the last panel of an N that is not a multiple of 64
+      float row[kPanel];
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(row + 16 * j, acc[r][j]);
+      std::memcpy(y + r * ldy, row, ncols * sizeof(float));
+    }
+  }
+#else
   float acc[R][kPanel] = {};
   for (int64_t k = 0; k < K; ++k) {
     float w[kPanel];
-#pragma omp simd
-    for (int j = 0; j < kPanel; ++j) w[j] = bf16_to_float(panel[k * kPanel + j]);
+    panel_row_to_float(panel + k * kPanel, w);
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * K + k];
 #pragma omp simd
@@ -198,7 +350,12 @@ void panel_rows(const float* x, int64_t K, const uint16_t* panel, float* y, int6
     }
   }
   for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], ncols * sizeof(float));
+#endif
 }
+
+// Rows of x processed against every panel before the next rows: 96 rows of K <= 1024 floats stay in L2
+// while the panels stream past them (a 2048-row prompt chunk otherwise re-reads x from L3 for each panel).
+constexpr int64_t kRowBlock = 96;
 
 // y [T, N] = x [T, K] @ w^T from the bf16 panels; threads split the panels.
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
@@ -207,24 +364,27 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, P, grain_for(T * K * kPanel), [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint16_t* panel = wp + p * K * kPanel;
-      const int64_t n0 = p * kPanel, ncols = std::min(kPanel, N - n0);
-      for (int64_t t = 0; t < T; t += 6) {  // 6 rows: 24 accumulators + 4 weight registers of 32
-        const float* xt = xp + t * K;
-        float* yt = yp + t * N + n0;
-        switch (std::min<int64_t>(6, T - t)) {
-          case 1: panel_rows<1>(xt, K, panel, yt, N, ncols); break;
-          case 2: panel_rows<2>(xt, K, panel, yt, N, ncols); break;
-          case 3: panel_rows<3>(xt, K, panel, yt, N, ncols); break;
-          case 4: panel_rows<4>(xt, K, panel, yt, N, ncols); break;
-          case 5: panel_rows<5>(xt, K, panel, yt, N, ncols); break;
-          default: panel_rows<6>(xt, K, panel, yt, N, ncols); break;
+  for (int64_t r0 = 0; r0 < T; r0 += kRowBlock) {
+    const int64_t r1 = std::min(T, r0 + kRowBlock);
+    at::parallel_for(0, P, grain_for((r1 - r0) * K * kPanel), [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint16_t* panel = wp + p * K * kPanel;
+        const int64_t n0 = p * kPanel, ncols = std::min(kPanel, N - n0);
+        for (int64_t t = r0; t < r1; t += 6) {  // 6 rows: 24 accumulators + 4 weight registers of 32
+          const float* xt = xp + t * K;
+          float* yt = yp + t * N + n0;
+          switch (std::min<int64_t>(6, r1 - t)) {
+            case 1: panel_rows<1>(xt, K, panel, yt, N, ncols); break;
+            case 2: panel_rows<2>(xt, K, panel, yt, N, ncols); break;
+            case 3: panel_rows<3>(xt, K, panel, yt, N, ncols); break;
+            case 4: panel_rows<4>(xt, K, panel, yt, N, ncols); break;
+            case 5: panel_rows<5>(xt, K, panel, yt, N, ncols); break;
+            default: panel_rows<6>(xt, K, panel, yt, N, ncols); break;
+          }
         }
       }
-    }
-  });
+    });
+  }
   return y;
 }
 
@@ -234,6 +394,22 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
 at::Tensor apply(const Linear& l, const at::Tensor& x) {
   if (l.panels.defined()) return linear_panels(x, l.panels, l.w.size(0));
   return at::linear(x, l.w);
+}
+
+// glibc hands allocations above 128 KB (raising that bar only as such blocks are freed) to fresh mmaps and
+// returns freed heap tops to the kernel past 128 KB: a step's activations, a few hundred KB to a few MB,
+// were faulted in page by page at every step (the 64-request benchmark on the demo spent 15% there).
+// Keeping them on the heap is what servers get from tcmalloc or jemalloc; it is process-wide, and costs
+// up to the trim threshold of freed memory held back from the kernel.
+void keep_step_memory_on_the_heap() {
+#if defined(__GLIBC__)
+  static const bool done = [] {
+    mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's ceiling for this setting on 64-bit
+    mallopt(M_TRIM_THRESHOLD, 512 << 20);
+    return true;
+  }();
+  (void)done;
+#endif
 }
 
 // Adds the wall time of its scope to *slot (when slot is not null): the step profile (FusedStack::profile).
@@ -301,6 +477,7 @@ class FusedStack {
              double eps, bool mtp)
       : d_{dims.at(0), dims.at(1), dims.at(2), dims.at(3), dims.at(4), dims.at(5), dims.at(6), dims.at(7),
            dims.at(8), dims.at(9), dims.at(10), dims.at(11), static_cast<float>(eps)} {
+    keep_step_memory_on_the_heap();
     size_t i = 0;
     auto next = [&]() {
       TORCH_CHECK(i < tensors.size(), "FusedStack: too few tensors");
@@ -500,7 +677,7 @@ class FusedStack {
       Timed timed(slot(kRecurrence));
       const int64_t work_per_seq = (bt.T / std::max<int64_t>(bt.B, 1) + 1) * Hv * dk * dv * 3;
       at::parallel_for(0, bt.B, grain_for(work_per_seq), [&](int64_t b0, int64_t b1) {
-        std::vector<float> mixed(C), u(dv);
+        std::vector<float> mixed(C), u(dv), sk(dv), sq(dv);
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t state_slot = bt.state_slots[b], row = bt.spec_index[b];
           const bool fresh = bt.context_lens[b] == 0;
@@ -573,28 +750,16 @@ class FusedStack {
               const float beta = sigmoid(braw[hv]);
               const float decay = std::exp(neg_a[hv] * softplus(araw[hv] + dt_bias[hv]));
               float* Sh = S + hv * dk * dv;
-              // One read pass gives S^T k and S^T q, 16 value dims at a time in registers; then, with
+              // One read pass gives S^T k and S^T q (state_times_kq); then, with
               //   S' = decay S + k u^T,  u = beta (v - decay S^T k),  o = S'^T q = decay S^T q + (k.q) u,
               // one pass writes S'. (The reference decays S first; same maths, other rounding order.)
               const float kq = dot(k, q, dk);
               float* o = o_t + hv * dv;
-              for (int64_t j0 = 0; j0 < dv; j0 += 16) {
-                const int64_t w = std::min<int64_t>(16, dv - j0);
-                float sk[16] = {}, sq[16] = {};
-                for (int64_t a = 0; a < dk; ++a) {
-                  const float* Sa = Sh + a * dv + j0;
-                  const float ka = k[a], qa = q[a];
+              state_times_kq(Sh, k, q, dk, dv, sk.data(), sq.data());
 #pragma omp simd
-                  for (int64_t l = 0; l < w; ++l) {
-                    sk[l] += Sa[l] * ka;
-                    sq[l] += Sa[l] * qa;
-                  }
-                }
-#pragma omp simd
-                for (int64_t l = 0; l < w; ++l) {
-                  u[j0 + l] = beta * (v[j0 + l] - decay * sk[l]);
-                  o[l + j0] = decay * sq[l] + kq * u[j0 + l];
-                }
+              for (int64_t j = 0; j < dv; ++j) {
+                u[j] = beta * (v[j] - decay * sk[j]);
+                o[j] = decay * sq[j] + kq * u[j];
               }
               for (int64_t a = 0; a < dk; ++a) {
                 float* Sa = Sh + a * dv;
@@ -661,9 +826,6 @@ class FusedStack {
       // (token, kv head) that reads each cached K/V row once for all the query heads of its group.
       float* ap = attn.data_ptr<float>();
       const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-      auto row_of = [&](const int64_t* table, int64_t j) {
-        return table[j / block_size] * block_size + j % block_size;
-      };
       for (int64_t b = 0; b < bt.B; ++b) {
         const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
         if (n <= kShortSegment) continue;
@@ -696,16 +858,21 @@ class FusedStack {
           const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
           if (n > kShortSegment) continue;
           const int64_t* table = bt.block_tables + b * bt.table_width;
-          rows.resize(bt.positions[t0 + n - 1] + 1);
-          for (int64_t j = 0; j < static_cast<int64_t>(rows.size()); ++j) rows[j] = row_of(table, j) * row_size;
+          const int64_t len = bt.positions[t0 + n - 1] + 1;
+          rows.resize(len);
+          for (int64_t j0 = 0; j0 < len; j0 += block_size) {  // block by block: no division per position
+            const int64_t first = table[j0 / block_size] * block_size * row_size;
+            for (int64_t j = j0; j < std::min(len, j0 + block_size); ++j) rows[j] = first + (j - j0) * row_size;
+          }
           for (int64_t t = t0; t < t0 + n; ++t) {
             const int64_t L = bt.positions[t] + 1;
             probs.resize(group * L);
             for (int64_t kvh = 0; kvh < nkv; ++kvh) {
               const float* q0 = pp + t * width + kvh * group * 2 * hd;  // head g of the group: q0 + g * 2hd
+              auto keys_of = [&](int64_t j0) { return k_cache + (table[j0 / block_size] * nkv + kvh) * hd * block_size; };
               for (int64_t j0 = 0; j0 < L; j0 += block_size) {
-                const float* kt = k_cache + (table[j0 / block_size] * nkv + kvh) * hd * block_size;
-                block_scores(q0, 2 * hd, group, kt, hd, block_size, scale, probs.data() + j0, L,
+                const float* next_kt = j0 + block_size < L ? keys_of(j0 + block_size) : nullptr;
+                block_scores(q0, 2 * hd, group, keys_of(j0), next_kt, hd, block_size, scale, probs.data() + j0, L,
                              std::min(block_size, L - j0));
               }
               for (int64_t g = 0; g < group; ++g) softmax_row(probs.data() + g * L, L);
