@@ -112,6 +112,17 @@ def test_fused_logits_for_few_and_many_rows(model) -> None:
             )
 
 
+def test_fused_greedy_tokens_are_the_argmax_of_the_logits(model) -> None:
+    fused = FusedTrunk(model, allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1))
+    hidden = torch.randn(40, model.config.hidden_size)
+    hidden[7] = 0.0  # every logit equal: the first index, as torch.argmax
+    hidden[9, 3] = float("nan")  # NaN logits count as the largest, as in torch.argmax
+    with torch.inference_mode():
+        for rows in ([9], [3, 7], list(range(40))):
+            expected = model.compute_logits(hidden, rows).argmax(dim=-1)
+            assert torch.equal(fused.greedy_tokens(hidden, rows), expected)
+
+
 def test_only_float32_models_and_caches_are_fused(model, tmp_path) -> None:
     cache = allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1, dtype=torch.bfloat16)
     assert supported(model, cache) == "the cache is not float32"

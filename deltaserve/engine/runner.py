@@ -117,7 +117,12 @@ class ModelRunner:
             verified = {r.request_id: v for r, v in zip(verify_reqs, results, strict=True)}
         if not rows:
             return ModelRunnerOutput([], None, verified)
-        logits = self.compute_logits(hidden, torch.tensor(rows, dtype=torch.long))  # [N, V] fp32
+        row_index = torch.tensor(rows, dtype=torch.long)
+        if self.fused is not None and self.sampler.plain_greedy(states):
+            # logits and their argmax in one C++ call (the sampler would take the same argmax)
+            tokens = self.fused.greedy_tokens(hidden, row_index).tolist()
+            return ModelRunnerOutput(request_ids, SamplerOutput(tokens, [None] * len(tokens)), verified)
+        logits = self.compute_logits(hidden, row_index)  # [N, V] fp32
         return ModelRunnerOutput(request_ids, self.sampler(logits, states), verified)
 
     @torch.inference_mode()

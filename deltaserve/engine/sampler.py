@@ -81,7 +81,7 @@ class Sampler:
                 f"logits must be [N, V] with N = {len(states)} states, got {tuple(logits.shape)}"
             )
         logits = logits.float()
-        if all(s.params.greedy and s.params.logprobs is None and not self._modifies(s) for s in states):
+        if self.plain_greedy(states):
             # the common all-greedy batch: nothing to process, nothing to copy
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(states))
         want_logprobs = [s.params.logprobs is not None for s in states]
@@ -115,6 +115,11 @@ class Sampler:
                     entry.setdefault(t, v)
             out_logprobs.append(entry)
         return SamplerOutput(token_ids=token_list, logprobs=out_logprobs)
+
+    def plain_greedy(self, states: Sequence[SequenceSamplingState]) -> bool:
+        """Whether every row's token is the argmax of its raw logits (greedy, no logprobs, nothing that
+        process_logits would change)."""
+        return all(s.params.greedy and s.params.logprobs is None and not self._modifies(s) for s in states)
 
     def _modifies(self, s: SequenceSamplingState) -> bool:
         """Whether process_logits would change this sequence's row."""

@@ -167,6 +167,12 @@ class FusedTrunk(_FusedStack):
             hidden = hidden[rows]
         return self._impl.logits(hidden.float())
 
+    def greedy_tokens(self, hidden: torch.Tensor, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+        """compute_logits(hidden, rows).argmax(-1) in one C++ call: the logits never reach Python."""
+        if rows is not None:
+            hidden = hidden[rows]
+        return self._impl.greedy_tokens(hidden.float())
+
     def __call__(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final-normed hidden states [T, H], like the model's forward; verify segments' per-position
         GDN states go to ctx.spec_states in the layout GatedDeltaNet._verify leaves there."""

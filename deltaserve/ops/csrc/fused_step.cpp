@@ -614,6 +614,30 @@ class FusedStack {
   // fp32 logits [R, vocab] of final-normed hidden rows [R, hidden]
   at::Tensor logits(const at::Tensor& hidden) { return project(lm_head_, hidden.contiguous()); }
 
+  // The greedy token of each row, torch.argmax of its logits (the first maximum; a NaN counts as the
+  // largest, as in torch), without handing the [R, vocab] logits back.
+  at::Tensor greedy_tokens(const at::Tensor& hidden) {
+    const at::Tensor scores = logits(hidden);
+    const int64_t R = scores.size(0), V = scores.size(1);
+    at::Tensor out = at::empty({R}, scores.options().dtype(at::kLong));
+    const float* sp = scores.data_ptr<float>();
+    int64_t* op = out.data_ptr<int64_t>();
+    for (int64_t r = 0; r < R; ++r) {
+      const float* row = sp + r * V;
+      float best = -INFINITY;
+      int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+      for (int64_t i = 0; i < V; ++i) {
+        best = std::max(best, row[i]);
+        nan |= row[i] != row[i];
+      }
+      int64_t at = 0;
+      while (at < V - 1 && !(nan ? row[at] != row[at] : row[at] == best)) ++at;
+      op[r] = at;
+    }
+    return out;
+  }
+
   // While on, forward() adds the seconds it spends in each part to the profile; profile() returns and
   // clears {projections, GDN conv + recurrence, attention, whole forward}.
   void set_profiling(bool on) { profiling_ = on; }
@@ -913,6 +937,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, double, bool>())
       .def("forward", &FusedStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("logits", &FusedStack::logits, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("greedy_tokens", &FusedStack::greedy_tokens, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("set_profiling", &FusedStack::set_profiling)
       .def("profile", &FusedStack::profile);
 }
