@@ -357,33 +357,96 @@ void panel_rows(const float* x, int64_t K, const uint16_t* panel, float* y, int6
 // while the panels stream past them (a 2048-row prompt chunk otherwise re-reads x from L3 for each panel).
 constexpr int64_t kRowBlock = 96;
 
-// y [T, N] = x [T, K] @ w^T from the bf16 panels; threads split the panels.
-at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
+// torch.argmax's order: the larger wins, a NaN beats every number, and of equals the first stays.
+inline bool beats(float v, float current) { return v > current || (v != v && current == current); }
+
+// torch.argmax of v[0, n): a vector pass for the maximum (and whether there is a NaN), then vector tests
+// over 16 at a time for the first position that holds it.
+inline int64_t first_argmax(const float* v, int64_t n) {
+#if defined(__AVX512F__)
+  if (n == kPanel) {  // a full panel's row, the greedy projection's case: all in four registers
+    __m512 x[4];
+    __mmask16 nan[4];
+    for (int c = 0; c < 4; ++c) {
+      x[c] = _mm512_loadu_ps(v + 16 * c);
+      nan[c] = _mm512_cmp_ps_mask(x[c], x[c], _CMP_UNORD_Q);
+    }
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]))));
+    const bool any_nan = (nan[0] | nan[1] | nan[2] | nan[3]) != 0;
+    for (int c = 0; c < 4; ++c) {
+      const __mmask16 hit = any_nan ? nan[c] : _mm512_cmp_ps_mask(x[c], top, _CMP_EQ_OQ);
+      if (hit != 0) return 16 * c + __builtin_ctz(hit);
+    }
+    return 0;  // unreachable: some lane holds the maximum
+  }
+#endif
+  float best = -INFINITY;
+  int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    best = std::max(best, v[i]);  // a NaN v[i] leaves best as it is: `nan` tracks those
+    nan |= v[i] != v[i];
+  }
+  auto match = [&](int64_t i) { return nan ? v[i] != v[i] : v[i] == best; };
+  for (int64_t c0 = 0; c0 < n; c0 += 16) {
+    const int64_t c1 = std::min(n, c0 + 16);
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int64_t i = c0; i < c1; ++i) hit |= match(i);
+    if (hit) {
+      int64_t at = c0;
+      while (!match(at)) ++at;
+      return at;
+    }
+  }
+  return 0;
+}
+
+// y [T, N] = x [T, K] @ w^T from the bf16 panels; threads split the panels. With `argmax` (int64 [T]),
+// y is not kept: each tile is reduced to its rows' best column while it is in L1, and argmax gets each
+// row's torch.argmax -- greedy sampling without writing (and reading back) T x vocab logits.
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N, int64_t* argmax = nullptr) {
   const int64_t T = x.size(0), K = x.size(1), P = panels.size(0);
-  at::Tensor y = at::empty({T, N}, x.options());
+  at::Tensor y = argmax == nullptr ? at::empty({T, N}, x.options()) : at::Tensor();
+  std::vector<float> best_value(argmax == nullptr ? 0 : T * P);  // [T, P]: each row's best in each panel
+  std::vector<int64_t> best_column(best_value.size());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
   const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  float* yp = argmax == nullptr ? y.data_ptr<float>() : nullptr;
   for (int64_t r0 = 0; r0 < T; r0 += kRowBlock) {
     const int64_t r1 = std::min(T, r0 + kRowBlock);
     at::parallel_for(0, P, grain_for((r1 - r0) * K * kPanel), [&](int64_t p0, int64_t p1) {
+      float tile[6 * kPanel];
       for (int64_t p = p0; p < p1; ++p) {
         const uint16_t* panel = wp + p * K * kPanel;
         const int64_t n0 = p * kPanel, ncols = std::min(kPanel, N - n0);
         for (int64_t t = r0; t < r1; t += 6) {  // 6 rows: 24 accumulators + 4 weight registers of 32
+          const int64_t rows = std::min<int64_t>(6, r1 - t);
           const float* xt = xp + t * K;
-          float* yt = yp + t * N + n0;
-          switch (std::min<int64_t>(6, r1 - t)) {
-            case 1: panel_rows<1>(xt, K, panel, yt, N, ncols); break;
-            case 2: panel_rows<2>(xt, K, panel, yt, N, ncols); break;
-            case 3: panel_rows<3>(xt, K, panel, yt, N, ncols); break;
-            case 4: panel_rows<4>(xt, K, panel, yt, N, ncols); break;
-            case 5: panel_rows<5>(xt, K, panel, yt, N, ncols); break;
-            default: panel_rows<6>(xt, K, panel, yt, N, ncols); break;
+          float* out = yp != nullptr ? yp + t * N + n0 : tile;
+          const int64_t ld = yp != nullptr ? N : kPanel;
+          switch (rows) {
+            case 1: panel_rows<1>(xt, K, panel, out, ld, ncols); break;
+            case 2: panel_rows<2>(xt, K, panel, out, ld, ncols); break;
+            case 3: panel_rows<3>(xt, K, panel, out, ld, ncols); break;
+            case 4: panel_rows<4>(xt, K, panel, out, ld, ncols); break;
+            case 5: panel_rows<5>(xt, K, panel, out, ld, ncols); break;
+            default: panel_rows<6>(xt, K, panel, out, ld, ncols); break;
+          }
+          for (int64_t r = 0; yp == nullptr && r < rows; ++r) {
+            const int64_t at = first_argmax(tile + r * kPanel, ncols);
+            best_value[(t + r) * P + p] = tile[r * kPanel + at];
+            best_column[(t + r) * P + p] = n0 + at;
           }
         }
       }
     });
+  }
+  for (int64_t t = 0; argmax != nullptr && t < T; ++t) {
+    int64_t at = 0;
+    for (int64_t p = 1; p < P; ++p) at = beats(best_value[t * P + p], best_value[t * P + at]) ? p : at;
+    argmax[t] = best_column[t * P + at];
   }
   return y;
 }
@@ -614,27 +677,21 @@ class FusedStack {
   // fp32 logits [R, vocab] of final-normed hidden rows [R, hidden]
   at::Tensor logits(const at::Tensor& hidden) { return project(lm_head_, hidden.contiguous()); }
 
-  // The greedy token of each row, torch.argmax of its logits (the first maximum; a NaN counts as the
-  // largest, as in torch), without handing the [R, vocab] logits back.
+  // The greedy token of each row, torch.argmax of its logits, without handing the [R, vocab] logits back
+  // (with bf16 panels, without writing them at all).
   at::Tensor greedy_tokens(const at::Tensor& hidden) {
-    const at::Tensor scores = logits(hidden);
-    const int64_t R = scores.size(0), V = scores.size(1);
-    at::Tensor out = at::empty({R}, scores.options().dtype(at::kLong));
-    const float* sp = scores.data_ptr<float>();
+    const at::Tensor h = hidden.contiguous();
+    at::Tensor out = at::empty({h.size(0)}, h.options().dtype(at::kLong));
     int64_t* op = out.data_ptr<int64_t>();
-    for (int64_t r = 0; r < R; ++r) {
-      const float* row = sp + r * V;
-      float best = -INFINITY;
-      int nan = 0;
-#pragma omp simd reduction(max : best) reduction(| : nan)
-      for (int64_t i = 0; i < V; ++i) {
-        best = std::max(best, row[i]);
-        nan |= row[i] != row[i];
-      }
-      int64_t at = 0;
-      while (at < V - 1 && !(nan ? row[at] != row[at] : row[at] == best)) ++at;
-      op[r] = at;
+    if (lm_head_.panels.defined()) {
+      Timed timed(slot(kProjections));
+      linear_panels(h, lm_head_.panels, lm_head_.w.size(0), op);
+      return out;
     }
+    const at::Tensor scores = logits(h);
+    const int64_t R = scores.size(0), V = scores.size(1);
+    const float* sp = scores.data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r) op[r] = first_argmax(sp + r * V, V);
     return out;
   }
 
@@ -940,4 +997,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("greedy_tokens", &FusedStack::greedy_tokens, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("set_profiling", &FusedStack::set_profiling)
       .def("profile", &FusedStack::profile);
+  // The bf16 panel projection alone (x [T, K] float32, panels from fused.py's _linear), for its tests and
+  // measurements.
+  m.def("linear_panels", [](const at::Tensor& x, const at::Tensor& panels, int64_t N) {
+    return linear_panels(x, panels, N);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
