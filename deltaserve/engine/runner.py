@@ -17,6 +17,10 @@ from deltaserve.model.context import CacheTensors, ForwardContext
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 from deltaserve.model.fused import FusedTrunk
 
+# Steps with at most this many tokens build positions and KV slots in a Python loop (measured at 32
+# tokens: 19 us against 50 us for the tensor ops, which win from about a hundred tokens on).
+_LOOP_TOKENS = 64
+
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
@@ -69,14 +73,28 @@ class ModelRunner:
         slots = [self.manager.state_slots[r] for r in request_ids]
         B = len(request_ids)
         width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)  # [B, W]
-        qlens = torch.tensor(query_lens, dtype=torch.long)
-        T = int(qlens.sum())
-        seq_of_token = torch.repeat_interleave(torch.arange(B), qlens, output_size=T)  # [T]
-        starts = torch.cumsum(qlens, 0) - qlens  # [B]
-        positions = torch.arange(T) - starts[seq_of_token] + torch.tensor(context_lens)[seq_of_token]
+        flat: list[int] = []
+        for t in tables:
+            flat += t
+            flat += [0] * (width - len(t))
+        block_tables = torch.tensor(flat, dtype=torch.long).view(B, width)  # [B, W]
+        T = sum(query_lens)
         bs = self.block_size
-        slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
+        if T <= _LOOP_TOKENS:  # decode steps: a Python loop is cheaper than a dozen small tensor ops
+            pos: list[int] = []
+            kv_slots: list[int] = []
+            for q, c, t in zip(query_lens, context_lens, tables):
+                for p in range(c, c + q):
+                    pos.append(p)
+                    kv_slots.append(t[p // bs] * bs + p % bs)
+            positions = torch.tensor(pos, dtype=torch.long)
+            slot_mapping = torch.tensor(kv_slots, dtype=torch.long)
+        else:
+            qlens = torch.tensor(query_lens, dtype=torch.long)
+            seq_of_token = torch.repeat_interleave(torch.arange(B), qlens, output_size=T)  # [T]
+            starts = torch.cumsum(qlens, 0) - qlens  # [B]
+            positions = torch.arange(T) - starts[seq_of_token] + torch.tensor(context_lens)[seq_of_token]
+            slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)

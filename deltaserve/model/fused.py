@@ -140,7 +140,8 @@ class _FusedStack:
 
     def _run(self, input_ids: torch.Tensor, ctx: ForwardContext, hidden_in: torch.Tensor) -> torch.Tensor:
         spec_index = torch.full((ctx.num_seqs,), -1, dtype=torch.long)
-        spec_index[ctx.spec_seqs] = torch.arange(len(ctx.spec_seqs))
+        if ctx.spec_seqs:
+            spec_index[ctx.spec_seqs] = torch.arange(len(ctx.spec_seqs))
         width = max((ctx.query_lens[b] for b in ctx.spec_seqs), default=0)
         hidden, conv_states, ssm_states = self._impl.forward(
             input_ids, ctx.positions, torch.tensor(ctx.query_start_loc, dtype=torch.long),
