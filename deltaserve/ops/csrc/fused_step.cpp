@@ -160,7 +160,8 @@ inline void block_scores_tile(const float* q0, int64_t q_stride, const float* kt
     for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q0[g * q_stride + e]), k, acc[g]);
   }
   const __mmask16 first_n = static_cast<__mmask16>((1u << n) - 1);
-  for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(out + g * ld, first_n, _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(out + g * ld, first_n, _mm512_mul_ps(acc[g], s));
 }
 
 // C x 16 output dims of all G heads per pass (G * C accumulators): each V row is read hd / (16 C) times.
@@ -451,9 +452,9 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
   return y;
 }
 
-// The panel kernel where the weight has panels: on this project's shapes it runs at 45-53 GMAC/s from 4
-// rows up (23 at 1 row, where it streams at 35-47 GB/s), against MKL's 15-34 below 48 rows and 33-50 above
-// (one AVX-512 core); otherwise MKL.
+// The panel kernel where the weight has panels: on the 60M benchmark model's shapes it runs at 53-57
+// GMAC/s from 64 rows up, against MKL's 26-49 (one AVX-512 core, benchmarks-style measurement through
+// the exported linear_panels); otherwise MKL.
 at::Tensor apply(const Linear& l, const at::Tensor& x) {
   if (l.panels.defined()) return linear_panels(x, l.panels, l.w.size(0));
   return at::linear(x, l.w);
@@ -950,7 +951,9 @@ class FusedStack {
             probs.resize(group * L);
             for (int64_t kvh = 0; kvh < nkv; ++kvh) {
               const float* q0 = pp + t * width + kvh * group * 2 * hd;  // head g of the group: q0 + g * 2hd
-              auto keys_of = [&](int64_t j0) { return k_cache + (table[j0 / block_size] * nkv + kvh) * hd * block_size; };
+              auto keys_of = [&](int64_t j0) {  // [hd, block_size] keys of the block holding position j0
+                return k_cache + (table[j0 / block_size] * nkv + kvh) * hd * block_size;
+              };
               for (int64_t j0 = 0; j0 < L; j0 += block_size) {
                 const float* next_kt = j0 + block_size < L ? keys_of(j0 + block_size) : nullptr;
                 block_scores(q0, 2 * hd, group, keys_of(j0), next_kt, hd, block_size, scale, probs.data() + j0, L,
