@@ -87,16 +87,16 @@ def run(model: str | None, k: int, batch: int, tokens: int) -> tuple[Row, LLM]:
 
 
 class _TimedTrunk:
-    """The runner's fused trunk with its call timed (the runner calls eligible() and the instance)."""
+    """The runner's fused trunk with its call timed; its methods (eligible, greedy_tokens) pass through."""
 
     def __init__(self, fused, call) -> None:
         self._fused, self._call = fused, call
 
-    def eligible(self, ctx) -> bool:
-        return self._fused.eligible(ctx)
-
     def __call__(self, *a):
         return self._call(*a)
+
+    def __getattr__(self, name: str):
+        return getattr(self._fused, name)
 
 
 def profile(llm: LLM, tokens: int, steps: int = 40) -> dict[str, float]:
