@@ -152,7 +152,8 @@ class LLMEngine:
             if fused is not None and len(self.model.mtp.layers) == 1:
                 mtp_hidden = FusedMTP(self.model, self.cache_tensors)  # the draft passes in C++ too
             spec = SpecDecoder(
-                self.cache_tensors, self.cache, sampler, k, self.max_model_len, compute_logits, mtp_hidden
+                self.cache_tensors, self.cache, sampler, k, self.max_model_len, compute_logits, mtp_hidden,
+                greedy_tokens=fused.greedy_tokens if fused is not None else None,
             )
             self.spec_metrics = SpecDecodeMetrics(accepted_per_position=[0] * k)
         self.runner = ModelRunner(

@@ -67,8 +67,10 @@ class SpecDecoder:
     def __init__(
         self, cache: CacheTensors, manager: CacheManager, sampler: Sampler, num_speculative_tokens: int,
         max_model_len: int, compute_logits: Callable[..., torch.Tensor], mtp_hidden: Callable[..., torch.Tensor],
+        greedy_tokens: Callable[..., torch.Tensor] | None = None,
     ) -> None:
-        """compute_logits and mtp_hidden are the model's own, or the fused step's (same signatures)."""
+        """compute_logits and mtp_hidden are the model's own, or the fused step's (same signatures);
+        greedy_tokens, when the fused step is there, is compute_logits(...).argmax(-1) in one C++ call."""
         self.cache = cache
         self.manager = manager
         self.sampler = sampler
@@ -76,6 +78,16 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.compute_logits = compute_logits
         self.mtp_hidden = mtp_hidden
+        self.greedy_tokens = greedy_tokens
+
+    def _plain_argmax(
+        self, hidden: torch.Tensor, rows: torch.Tensor | None, states: Sequence[SequenceSamplingState]
+    ) -> list[int] | None:
+        """The argmax token of each row's logits without building them in Python, when every row is plain
+        greedy (the sampler's stages would leave its logits as they are); else None."""
+        if self.greedy_tokens is None or not self.sampler.plain_greedy(states):
+            return None
+        return self.greedy_tokens(hidden, rows).tolist()
 
     # ---- verification -----------------------------------------------------------------------------------
     def verify(
@@ -93,10 +105,15 @@ class SpecDecoder:
             for i in range(len(drafts) + 1):
                 rows.append(start + i)
                 states.append(_state_at(req.sampling, drafts[:i]))
-        logits = self.compute_logits(hidden, torch.tensor(rows, dtype=torch.long))  # [R, V]
-        processed = self.sampler.process_logits(logits, states)
+        row_index = torch.tensor(rows, dtype=torch.long)
         want_lp = [r.params.logprobs is not None for r in requests]
-        raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        targets = self._plain_argmax(hidden, row_index, states)  # all plain greedy: the targets directly
+        if targets is None:
+            logits = self.compute_logits(hidden, row_index)  # [R, V]
+            processed = self.sampler.process_logits(logits, states)
+            raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        else:
+            raw_lp = None  # plain greedy rows want no logprobs
 
         results: list[VerifyResult] = []
         r0 = 0
@@ -105,7 +122,7 @@ class SpecDecoder:
             m = len(drafts)
             block = slice(r0, r0 + m + 1)
             if req.params.greedy:
-                target = processed[block].argmax(dim=-1).tolist()
+                target = targets[block] if targets is not None else processed[block].argmax(dim=-1).tolist()
                 a = 0
                 while a < m and drafts[a] == target[a]:
                     a += 1
@@ -214,7 +231,7 @@ class SpecDecoder:
                 dctx = make_context([1] * len(reqs), ctx_lens, [r.request_id for r in reqs])
                 prev = torch.tensor([r.spec_token_ids[-1] for r in reqs], dtype=torch.long)
                 h = self.mtp_hidden(prev, h[keep], dctx, step=j)
-            self._sample_drafts([drafters[i] for i in active], self.compute_logits(h))
+            self._sample_drafts([drafters[i] for i in active], h)
 
     def _num_drafts(self, req: Request) -> int:
         """k, or fewer: no more than the request may still emit minus the target's own token, no position
@@ -231,11 +248,18 @@ class SpecDecoder:
             k = min(k, have - t)
         return max(k, 0)
 
-    def _sample_drafts(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        """One draft token per request from the MTP logits, processed with the request's own parameters
-        (so drafts resemble the target); sampled drafts keep the distribution they were drawn from."""
+    def _sample_drafts(self, reqs: list[Request], hidden: torch.Tensor) -> None:
+        """One draft token per request from the logits of its MTP hidden row, processed with the request's
+        own parameters (so drafts resemble the target); sampled drafts keep the distribution they were
+        drawn from."""
         states = [_state_at(r.sampling, r.spec_token_ids) for r in reqs]
-        processed = self.sampler.process_logits(logits, states)
+        tokens = self._plain_argmax(hidden, None, states)
+        if tokens is not None:
+            for r, t in zip(reqs, tokens, strict=True):
+                r.spec_token_ids.append(t)
+                r.spec_draft_probs.append(None)
+            return
+        processed = self.sampler.process_logits(self.compute_logits(hidden), states)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         random = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if greedy:
