@@ -16,13 +16,14 @@ from deltaserve.model.context import ForwardContext
 def test_make_context_matches_the_reference_context(monkeypatch, loop_tokens: int) -> None:
     monkeypatch.setattr(runner_module, "_LOOP_TOKENS", loop_tokens)
     manager = CacheManager(num_blocks=64, block_size=4, num_slots=8)
-    # (request, context_len, query_len): decodes, a prompt chunk, a continued chunk; freed blocks make
-    # the tables non-contiguous
+    # (request, context_len, query_len): decodes, a prompt chunk, a continued chunk
     steps = [("a", 9, 1), ("b", 0, 7), ("c", 5, 6), ("d", 13, 1)]
-    manager.allocate("x", 12)
+    for rid, c, _ in steps:  # the context first, the new tokens in a second round: b's and c's tables
+        assert manager.allocate(rid, max(c, 1))  # are not contiguous
     for rid, c, q in steps:
         assert manager.allocate(rid, c + q)
-    manager.free("x")
+    table = manager.block_tables["c"]
+    assert table != list(range(table[0], table[0] + len(table)))
     cache = _BlockSize(4)
     runner = ModelRunner(model=None, cache=cache, manager=manager, sampler=None, compute_logits=None)
     q_lens, c_lens, ids = [q for _, _, q in steps], [c for _, c, _ in steps], [r for r, _, _ in steps]
