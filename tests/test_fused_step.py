@@ -9,8 +9,9 @@ import torch
 
 from deltaserve.cache.tensors import allocate_cache
 from deltaserve.model.context import ForwardContext
-from deltaserve.model.fused import FusedMTP, FusedTrunk, supported
+from deltaserve.model.fused import FusedMTP, FusedTrunk, _linear, supported
 from deltaserve.model.loader import load_model
+from deltaserve.ops.fused_ext import load_extension
 from tests.checkpoints import (
     RATIOS_27B,
     TINY,
@@ -110,6 +111,20 @@ def test_fused_logits_for_few_and_many_rows(model) -> None:
             torch.testing.assert_close(
                 fused.logits(hidden, rows), model.compute_logits(hidden, rows), atol=1e-5, rtol=1e-5
             )
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 97, 200])
+def test_panel_projection_matches_torch_linear(rows: int) -> None:
+    """The bf16 panel kernel alone against F.linear: row tails of 1-5, row blocks of 96, output counts that
+    are not multiples of 64 (a partial last panel), odd K."""
+    g = torch.Generator().manual_seed(rows)
+    for n_out, k_in in [(64, 16), (70, 33), (130, 192)]:
+        weight = torch.randn(n_out, k_in, generator=g).bfloat16().float()
+        x = torch.randn(rows, k_in, generator=g)
+        _, panels = _linear(weight)
+        assert panels.numel() > 0  # bf16-valued weights get panels
+        got = load_extension().linear_panels(x, panels, n_out)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
 def test_fused_greedy_tokens_are_the_argmax_of_the_logits(model) -> None:

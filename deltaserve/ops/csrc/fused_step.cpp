@@ -1000,9 +1000,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("greedy_tokens", &FusedStack::greedy_tokens, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("set_profiling", &FusedStack::set_profiling)
       .def("profile", &FusedStack::profile);
-  // The bf16 panel projection alone (x [T, K] float32, panels from fused.py's _linear), for its tests and
-  // measurements.
+  // The bf16 panel projection alone (x [T, K] float32, panels from fused.py's _linear, N outputs), for its
+  // test against torch and for measurements.
   m.def("linear_panels", [](const at::Tensor& x, const at::Tensor& panels, int64_t N) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [T, K] float32");
+    TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
+                    panels.size(1) == x.size(1) && panels.size(2) == kPanel && N > 0 && N <= panels.size(0) * kPanel,
+                "panels: contiguous bf16 [ceil(N / 64), K, 64] for x's K");
     return linear_panels(x, panels, N);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
