@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from report import machine, timed_into, write_section  # noqa: E402
+from report import TimedCalls, machine, timed_into, write_section  # noqa: E402
 
 from deltaserve import LLM, SamplingParams  # noqa: E402
 from deltaserve.assets import DEMO_DIR  # noqa: E402
@@ -86,19 +86,6 @@ def run(model: str | None, k: int, batch: int, tokens: int) -> tuple[Row, LLM]:
     return Row(batch, k, tok_s, accepted / max(drafted, 1), 1 + accepted / max(drafts, 1)), llm
 
 
-class _TimedTrunk:
-    """The runner's fused trunk with its call timed; its methods (eligible, greedy_tokens) pass through."""
-
-    def __init__(self, fused, call) -> None:
-        self._fused, self._call = fused, call
-
-    def __call__(self, *a):
-        return self._call(*a)
-
-    def __getattr__(self, name: str):
-        return getattr(self._fused, name)
-
-
 def profile(llm: LLM, tokens: int, steps: int = 40) -> dict[str, float]:
     """Mean seconds per step in each phase, over `steps` speculative decode steps at batch 1."""
     engine = llm.engine
@@ -106,7 +93,7 @@ def profile(llm: LLM, tokens: int, steps: int = 40) -> dict[str, float]:
     spent: dict[str, float] = defaultdict(float)
     timed = functools.partial(timed_into, spent)
     if runner.fused is not None:  # the fused C++ step (the default) or the Python model
-        runner.fused = _TimedTrunk(runner.fused, timed("trunk verify forward", runner.fused.__call__))
+        runner.fused = TimedCalls(runner.fused, spent, "trunk verify forward")
     else:
         runner.model.forward = timed("trunk verify forward", runner.model.forward)
     runner.spec.mtp_hidden = timed("MTP layer passes", runner.spec.mtp_hidden)
@@ -155,12 +142,12 @@ def kernel_costs(llm: LLM, k: int, context: int = 64, reps: int = 200) -> dict[s
     def trunk(n: int, verify: bool):
         ctx = runner.make_context([n], [context], ["cost"], [verify])
         ids = torch.arange(n) + 10
-        return lambda: runner.compute_logits(runner.fused(ids, ctx))
+        return lambda: runner.head.compute_logits(runner.fused(ids, ctx))
 
     def draft():
         ctx = runner.make_context([1], [context], ["cost"])
         ids = torch.tensor([10])
-        return lambda: spec.compute_logits(spec.mtp_hidden(ids, hidden[:1], ctx))
+        return lambda: spec.head.compute_logits(spec.mtp_hidden(ids, hidden[:1], ctx))
 
     with torch.inference_mode():
         costs = {"decode": seconds(trunk(1, False)), "verify": seconds(trunk(1 + k, True)),

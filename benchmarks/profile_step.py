@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from report import machine, timed_into, write_section  # noqa: E402
+from report import TimedCalls, machine, timed_into, write_section  # noqa: E402
 
 from deltaserve import LLM, SamplingParams  # noqa: E402
 
@@ -30,27 +30,14 @@ PARTS = ["projections", "gdn_conv_and_recurrence", "attention", "rest of the for
          "sampler", "Python: scheduling, context, detokenizing"]
 
 
-class _TimedSampler:
-    """The runner's sampler with its calls timed; its other methods (plain_greedy) pass through."""
-
-    def __init__(self, sampler, timed_call) -> None:
-        self._sampler, self._timed_call = sampler, timed_call
-
-    def __call__(self, *args, **kwargs):
-        return self._timed_call(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self._sampler, name)
-
-
 def instrument(llm: LLM) -> dict[str, float]:
     """Wraps the runner's logits and sampler to time them; the fused step profiles itself. All-greedy
-    batches take logits and argmax in one C++ call (FusedTrunk.greedy_tokens), timed as the logits."""
+    batches take logits and argmax in one C++ call (LogitsHead.greedy_tokens), timed as the logits."""
     runner = llm.engine.runner
     spent: dict[str, float] = defaultdict(float)
-    runner.compute_logits = timed_into(spent, "lm_head logits", runner.compute_logits)
-    runner.fused.greedy_tokens = timed_into(spent, "lm_head logits", runner.fused.greedy_tokens)
-    runner.sampler = _TimedSampler(runner.sampler, timed_into(spent, "sampler", runner.sampler))
+    runner.head.compute_logits = timed_into(spent, "lm_head logits", runner.head.compute_logits)
+    runner.head.greedy_tokens = timed_into(spent, "lm_head logits", runner.head.greedy_tokens)
+    runner.sampler = TimedCalls(runner.sampler, spent, "sampler")
     return spent
 
 

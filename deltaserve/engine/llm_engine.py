@@ -17,6 +17,7 @@ from deltaserve.cache.tensors import allocate_cache
 from deltaserve.config import ModelConfig
 from deltaserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, EngineConfigError
 from deltaserve.engine.detokenizer import IncrementalDetokenizer, check_stop
+from deltaserve.engine.logits_head import LogitsHead
 from deltaserve.engine.planner import gdn_state_bytes_per_seq, kv_bytes_per_block
 from deltaserve.engine.request import Request, RequestGroup, RequestStatus
 from deltaserve.engine.runner import ModelRunner
@@ -144,21 +145,18 @@ class LLMEngine:
         sampler = Sampler(self.eos_token_ids)
         fused = self._fused_trunk()
         # Logits of chosen rows: the fused step's projection when it is there (same maths).
-        compute_logits = fused.logits if fused is not None else self.model.compute_logits
+        head = LogitsHead(fused.logits, fused.greedy_tokens) if fused is not None else LogitsHead(
+            self.model.compute_logits
+        )
         spec = None
         self.spec_metrics: SpecDecodeMetrics | None = None
         if k:
             mtp_hidden = self.model.mtp_hidden
             if fused is not None and len(self.model.mtp.layers) == 1:
                 mtp_hidden = FusedMTP(self.model, self.cache_tensors)  # the draft passes in C++ too
-            spec = SpecDecoder(
-                self.cache_tensors, self.cache, sampler, k, self.max_model_len, compute_logits, mtp_hidden,
-                greedy_tokens=fused.greedy_tokens if fused is not None else None,
-            )
+            spec = SpecDecoder(self.cache_tensors, self.cache, sampler, k, self.max_model_len, head, mtp_hidden)
             self.spec_metrics = SpecDecodeMetrics(accepted_per_position=[0] * k)
-        self.runner = ModelRunner(
-            self.model, self.cache_tensors, self.cache, sampler, compute_logits, spec, fused=fused
-        )
+        self.runner = ModelRunner(self.model, self.cache_tensors, self.cache, sampler, head, spec, fused=fused)
         self.groups: dict[str, RequestGroup] = {}
         self.requests: dict[str, Request] = {}
         self._aborted_outputs: list[RequestOutput] = []

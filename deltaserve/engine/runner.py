@@ -4,12 +4,12 @@ speculation, verify rows go to the SpecDecoder and propose() drafts for the next
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from deltaserve.cache.manager import CacheManager
+from deltaserve.engine.logits_head import LogitsHead
 from deltaserve.engine.sampler import Sampler, SamplerOutput
 from deltaserve.engine.scheduler import VERIFY, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder, VerifyResult
@@ -32,13 +32,12 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(
         self, model: Qwen3_5ForCausalLM, cache: CacheTensors, manager: CacheManager, sampler: Sampler,
-        compute_logits: Callable[..., torch.Tensor], spec: SpecDecoder | None = None,
-        fused: FusedTrunk | None = None,
+        head: LogitsHead, spec: SpecDecoder | None = None, fused: FusedTrunk | None = None,
     ) -> None:
-        """compute_logits: the model's own, or the fused step's projection (same signature and maths)."""
+        """head: the model's lm_head, or the fused step's (same maths); fused: the fused trunk, if any."""
         self.model = model
         self.fused = fused
-        self.compute_logits = compute_logits
+        self.head = head
         self.cache = cache
         self.manager = manager
         self.sampler = sampler
@@ -136,11 +135,10 @@ class ModelRunner:
         if not rows:
             return ModelRunnerOutput([], None, verified)
         row_index = torch.tensor(rows, dtype=torch.long)
-        if self.fused is not None and self.sampler.plain_greedy(states):
-            # logits and their argmax in one C++ call (the sampler would take the same argmax)
-            tokens = self.fused.greedy_tokens(hidden, row_index).tolist()
+        tokens = self.head.plain_argmax(hidden, row_index, states, self.sampler)
+        if tokens is not None:  # the argmax the sampler would take, without the logits
             return ModelRunnerOutput(request_ids, SamplerOutput(tokens, [None] * len(tokens)), verified)
-        logits = self.compute_logits(hidden, row_index)  # [N, V] fp32
+        logits = self.head.compute_logits(hidden, row_index)  # [N, V] fp32
         return ModelRunnerOutput(request_ids, self.sampler(logits, states), verified)
 
     @torch.inference_mode()

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.cache.manager import CacheManager
+from deltaserve.engine.logits_head import LogitsHead
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampler import Sampler, SequenceSamplingState, _sample
 from deltaserve.model.context import CacheTensors, ForwardContext
@@ -66,28 +67,16 @@ def _uniform(generator: torch.Generator | None) -> float:
 class SpecDecoder:
     def __init__(
         self, cache: CacheTensors, manager: CacheManager, sampler: Sampler, num_speculative_tokens: int,
-        max_model_len: int, compute_logits: Callable[..., torch.Tensor], mtp_hidden: Callable[..., torch.Tensor],
-        greedy_tokens: Callable[..., torch.Tensor] | None = None,
+        max_model_len: int, head: LogitsHead, mtp_hidden: Callable[..., torch.Tensor],
     ) -> None:
-        """compute_logits and mtp_hidden are the model's own, or the fused step's (same signatures);
-        greedy_tokens, when the fused step is there, is compute_logits(...).argmax(-1) in one C++ call."""
+        """head and mtp_hidden are the model's own, or the fused step's (same signatures and maths)."""
         self.cache = cache
         self.manager = manager
         self.sampler = sampler
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
-        self.compute_logits = compute_logits
+        self.head = head
         self.mtp_hidden = mtp_hidden
-        self.greedy_tokens = greedy_tokens
-
-    def _plain_argmax(
-        self, hidden: torch.Tensor, rows: torch.Tensor | None, states: Sequence[SequenceSamplingState]
-    ) -> list[int] | None:
-        """The argmax token of each row's logits without building them in Python, when every row is plain
-        greedy (the sampler's stages would leave its logits as they are); else None."""
-        if self.greedy_tokens is None or not self.sampler.plain_greedy(states):
-            return None
-        return self.greedy_tokens(hidden, rows).tolist()
 
     # ---- verification -----------------------------------------------------------------------------------
     def verify(
@@ -107,9 +96,9 @@ class SpecDecoder:
                 states.append(_state_at(req.sampling, drafts[:i]))
         row_index = torch.tensor(rows, dtype=torch.long)
         want_lp = [r.params.logprobs is not None for r in requests]
-        targets = self._plain_argmax(hidden, row_index, states)  # all plain greedy: the targets directly
+        targets = self.head.plain_argmax(hidden, row_index, states, self.sampler)  # all plain greedy
         if targets is None:
-            logits = self.compute_logits(hidden, row_index)  # [R, V]
+            logits = self.head.compute_logits(hidden, row_index)  # [R, V]
             processed = self.sampler.process_logits(logits, states)
             raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         else:
@@ -253,13 +242,13 @@ class SpecDecoder:
         own parameters (so drafts resemble the target); sampled drafts keep the distribution they were
         drawn from."""
         states = [_state_at(r.sampling, r.spec_token_ids) for r in reqs]
-        tokens = self._plain_argmax(hidden, None, states)
+        tokens = self.head.plain_argmax(hidden, None, states, self.sampler)
         if tokens is not None:
             for r, t in zip(reqs, tokens, strict=True):
                 r.spec_token_ids.append(t)
                 r.spec_draft_probs.append(None)
             return
-        processed = self.sampler.process_logits(self.compute_logits(hidden), states)
+        processed = self.sampler.process_logits(self.head.compute_logits(hidden), states)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         random = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if greedy:

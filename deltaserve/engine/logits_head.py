@@ -1,0 +1,29 @@
+"""LogitsHead: how the engine turns final hidden rows into logits, or straight into greedy tokens. The
+runner and the spec decoder share one, so the plain-greedy shortcut lives in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.engine.sampler import Sampler, SequenceSamplingState
+
+
+@dataclass(slots=True)
+class LogitsHead:
+    # (hidden [N, H], rows or None) -> fp32 logits [R, V]: the model's compute_logits, or the fused step's
+    compute_logits: Callable[..., torch.Tensor]
+    # Same arguments -> compute_logits(...).argmax(-1) in one C++ call (FusedTrunk.greedy_tokens), or None
+    greedy_tokens: Callable[..., torch.Tensor] | None = None
+
+    def plain_argmax(
+        self, hidden: torch.Tensor, rows: torch.Tensor | None, states: Sequence[SequenceSamplingState],
+        sampler: Sampler,
+    ) -> list[int] | None:
+        """The argmax token of each row's logits without building them in Python, when every row is plain
+        greedy (the sampler's stages would leave its logits as they are); else None."""
+        if self.greedy_tokens is None or not sampler.plain_greedy(states):
+            return None
+        return self.greedy_tokens(hidden, rows).tolist()
