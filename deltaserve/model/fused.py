@@ -8,7 +8,8 @@ Used for fp32 weights and caches, text positions and no trace; anything else run
 projections that read the same input are fused into one weight (GDN q|k|v|z|b|a, attention q|k|v, MLP
 gate|up); the modules' own weights become views into it, so memory is not doubled and both paths read the
 same numbers. Weights whose values are all bfloat16 numbers also keep a bf16 copy in panels (half a
-weight's fp32 bytes, +50% weight memory) that every projection streams instead of the fp32 weight.
+weight's fp32 bytes, +50% weight memory) that every projection streams instead of the fp32 weight. On CPUs
+with AVX512-BF16 such an lm_head keeps one more bf16 copy, in pairs along K, for greedy_tokens' screen.
 """
 
 from __future__ import annotations
@@ -173,6 +174,17 @@ class FusedTrunk(_FusedStack):
         if rows is not None:
             hidden = hidden[rows]
         return self._impl.greedy_tokens(hidden.float())
+
+    @property
+    def greedy_screen(self) -> bool:
+        """Whether greedy_tokens screens the vocabulary with bf16 dot products before the exact fp32 pass
+        (fused_step.cpp, screened_greedy): AVX512-BF16, and a finite lm_head of bf16 values. Same tokens
+        either way; settable to False for measurements."""
+        return self._impl.greedy_screen_on()
+
+    @greedy_screen.setter
+    def greedy_screen(self, on: bool) -> None:
+        self._impl.set_greedy_screen(on)
 
     def __call__(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final-normed hidden states [T, H], like the model's forward; verify segments' per-position
