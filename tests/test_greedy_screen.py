@@ -60,7 +60,7 @@ def test_greedy_tokens_are_exact_where_logits_nearly_tie(model) -> None:
     hidden[6] = 4 * u  # exactly along u
     hidden[8, 2] = float("nan")  # NaN logits count as the largest, as in torch.argmax
     with torch.inference_mode():
-        for rows in (list(range(300)), [6], list(range(10))):
+        for rows in (list(range(300)), [6], [6, 8], list(range(10))):
             expected = fused.logits(hidden, rows).argmax(dim=-1)
             assert torch.equal(fused.greedy_tokens(hidden, rows), expected)
             fused.greedy_screen = False
