@@ -15,6 +15,7 @@ from deltaserve.model.loader import load_model
 from tests.checkpoints import TINY, random_hf_model, save_causal_lm_layout
 
 VOCAB = 900  # 14 full panels of 64 outputs and a partial one of 4
+TIED = [150, 470, 850]  # three equal rows, in panels 2, 7 and 13
 
 
 def cpu_has_avx512_bf16() -> bool:
@@ -24,9 +25,9 @@ def cpu_has_avx512_bf16() -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    hf = random_hf_model(dict(TINY, vocab_size=VOCAB), seed=11)
+@pytest.fixture(scope="module", params=[48, 47], ids=["even-hidden", "odd-hidden"])
+def model(request, tmp_path_factory):
+    hf = random_hf_model(dict(TINY, vocab_size=VOCAB, hidden_size=request.param), seed=11)
     with torch.no_grad():  # a bf16 checkpoint computed in fp32: the lm_head gets panels (and the screen)
         for p in hf.parameters():
             p.copy_(p.bfloat16().float())
@@ -34,18 +35,19 @@ def model(tmp_path_factory):
 
 
 def near_tie_head(hidden: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """An lm_head and a direction u. 150 rows, spread over every panel, are w0 + d with w0 along u and each
+    """An lm_head and a direction u. 152 rows, spread over every panel, are w0 + d with w0 along u and each
     d its own random vector at right angles to u, as long as w0: along u they tie, so for hidden rows near u
-    their logits differ by about as much as rounding a row to bf16 moves them. Two more rows are exact
+    their logits differ by about as much as rounding a row to bf16 moves them. The rows TIED are exact
     copies of one of them (a tie for torch.argmax to break); the rest lie far below."""
     u = torch.randn(hidden, generator=g)
     u /= u.norm()
     head = torch.randn(VOCAB, hidden, generator=g) * 0.05
-    rows = torch.randperm(VOCAB, generator=g)[:152]
+    others = [i for i in torch.randperm(VOCAB, generator=g).tolist() if i not in TIED]
+    rows = torch.tensor(TIED + others[:149])
     d = torch.randn(len(rows), hidden, generator=g)
     d -= (d @ u)[:, None] * u
     head[rows] = 2 * u + 2 * d / d.norm(dim=1, keepdim=True)
-    head[rows[-2:]] = head[rows[0]].clone()
+    head[TIED[1:]] = head[TIED[0]].clone()
     return head.bfloat16().float(), u
 
 
@@ -58,6 +60,7 @@ def test_greedy_tokens_are_exact_where_logits_nearly_tie(model) -> None:
     hidden = 4 * u + 1e-3 * torch.randn(300, u.numel(), generator=g)
     hidden[5] *= 1e35  # logits near overflow: outside the screen's range, the plain path
     hidden[6] = 4 * u  # exactly along u
+    hidden[7] = head[TIED[0]]  # the three TIED rows hold the maximum: the first of them wins
     hidden[8, 2] = float("nan")  # NaN logits count as the largest, as in torch.argmax
     with torch.inference_mode():
         for rows in (list(range(300)), [6], [6, 8], list(range(10))):
@@ -66,7 +69,47 @@ def test_greedy_tokens_are_exact_where_logits_nearly_tie(model) -> None:
             fused.greedy_screen = False
             assert torch.equal(fused.greedy_tokens(hidden, rows), expected)
             fused.greedy_screen = True
-    # the screen was put to the test: the top logits of most rows lie within its bf16 rounding of each other
-    logits = fused.logits(hidden)
-    top2 = logits.topk(2, dim=-1).values
-    assert ((top2[:, 0] - top2[:, 1]) < 1e-3 * top2[:, 0].abs()).float().mean() > 0.5
+        assert fused.greedy_tokens(hidden, [7, 0])[0] == TIED[0]
+        # the screen was put to the test: bf16 dot products alone pick another token for many rows
+        exact = fused.logits(hidden).argmax(dim=-1)
+        rounded = (hidden.bfloat16().float() @ head.T).argmax(dim=-1)
+    assert (exact != rounded).float().mean() > 0.2
+
+
+def hidden_winner_case(H: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A hidden row h and an lm_head whose winning row (WINNER) is 60 e / ||e||, e = h - bf16(h) being h's
+    rounding error: its bf16 logit is lower than its true one by the whole Cauchy-Schwarz bound ||e|| ||w||.
+    A rival row along h trails the winner by 15% of that, so the bf16 logits pick the rival. Tries h until
+    a screen with half the bound (scale ||e|| x 1.25 / 2) would drop the winner's panel."""
+    winner, rival = WINNER, RIVAL
+    for _ in range(200):
+        h = torch.randn(H, generator=g)
+        h = 4 * h / h.norm()
+        e = h.double() - h.bfloat16().double()
+        head = (torch.randn(VOCAB, H, generator=g) * 0.05).bfloat16().double()
+        head[winner] = (60 * e / e.norm()).bfloat16().double()
+        a_w = h.double() @ head[winner]
+        along_h = h.double() / h.double().norm()
+        head[rival] = ((a_w - 9 * e.norm()) / h.double().norm() * along_h).bfloat16().double()
+        exact = h.double() @ head.T
+        rounded = h.bfloat16().double() @ head.T
+        half_bound = 0.5 * 1.25 * e.norm() * head.norm(dim=1)
+        if (exact.argmax() == winner and rounded.argmax() == rival
+                and rounded[winner] + half_bound[winner] < rounded[rival] - half_bound[rival]):
+            return h, head.float()
+    raise AssertionError("no such case found")
+
+
+WINNER, RIVAL = 100, 700  # panels 1 and 10
+
+
+def test_greedy_tokens_are_exact_when_rounding_the_row_hides_the_winner(model) -> None:
+    """The bound is needed at its full width, not only in principle: see hidden_winner_case."""
+    h, head = hidden_winner_case(model.config.hidden_size, torch.Generator().manual_seed(1))
+    model.lm_head.weight.data.copy_(head)
+    fused = FusedTrunk(model, allocate_cache(model.config, num_blocks=4, block_size=16, num_slots=1))
+    assert fused.greedy_screen == cpu_has_avx512_bf16()
+    rows = torch.stack([h, h])
+    with torch.inference_mode():
+        assert fused.logits(rows).argmax(dim=-1).tolist() == [WINNER, WINNER]
+        assert fused.greedy_tokens(rows).tolist() == [WINNER, WINNER]

@@ -488,15 +488,16 @@ struct GreedyScreen {
   double max_norm = 0.0;
 };
 
-// The screen of an lm_head whose values are all bf16 numbers, or an empty one when a weight is not finite.
+// The screen of an lm_head whose values are all bf16 numbers, or an empty one when a weight is not finite
+// or a row's norm is so large that the bounds could overflow.
 GreedyScreen make_greedy_screen(const at::Tensor& w) {
   GreedyScreen s;
-  if (!at::isfinite(w).all().item<bool>()) return s;
+  const at::Tensor norms = w.to(at::kDouble).square().sum(1).sqrt() * (1.0 + 1e-6);  // up, past fp32 rounding
+  if (!at::isfinite(w).all().item<bool>() || !(norms.max().item<double>() < 1e30)) return s;
   const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel, K2 = (K + 1) / 2;
   at::Tensor padded = at::zeros({P * kPanel, 2 * K2}, w.options().dtype(at::kBFloat16));
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
   s.pairs = padded.view({P, kPanel, K2, 2}).permute({0, 2, 1, 3}).contiguous();
-  const at::Tensor norms = w.to(at::kDouble).square().sum(1).sqrt() * (1.0 + 1e-6);  // up, past fp32 rounding
   s.max_norm = norms.max().item<double>();
   s.norms = at::zeros({P * kPanel}, w.options());
   s.norms.narrow(0, 0, N).copy_(norms);
@@ -841,11 +842,15 @@ class FusedStack {
   }
 
   // fp32 logits [R, vocab] of final-normed hidden rows [R, hidden]
-  at::Tensor logits(const at::Tensor& hidden) { return project(lm_head_, hidden.contiguous()); }
+  at::Tensor logits(const at::Tensor& hidden) {
+    check_hidden(hidden);
+    return project(lm_head_, hidden.contiguous());
+  }
 
   // The greedy token of each row, torch.argmax of its logits, without handing the [R, vocab] logits back
   // (with bf16 panels, without writing them at all).
   at::Tensor greedy_tokens(const at::Tensor& hidden) {
+    check_hidden(hidden);
     const at::Tensor h = hidden.contiguous();
     at::Tensor out = at::empty({h.size(0)}, h.options().dtype(at::kLong));
     int64_t* op = out.data_ptr<int64_t>();
@@ -880,6 +885,11 @@ class FusedStack {
   }
 
  private:
+  void check_hidden(const at::Tensor& hidden) const {
+    TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.size(1) == lm_head_.w.size(1),
+                "FusedStack: hidden rows must be float32 [R, ", lm_head_.w.size(1), "]");
+  }
+
   // The loops below index the caches with these numbers unchecked: check them once per step.
   void check_batch(const Batch& bt) const {
     TORCH_CHECK(bt.qsl[0] == 0 && bt.qsl[bt.B] == bt.T, "FusedStack: query_start_loc must span the T tokens");
