@@ -112,7 +112,8 @@ def table(columns: dict[str, dict[str, float]], threads: int, model: str) -> str
         f"checkpoint: {model}; fp32 compute; greedy. Mean milliseconds per engine step, measured with the "
         "fused step's own timers (`FusedTrunk.set_profiling`) and wall clocks around the lm_head and the "
         "sampler (all-greedy batches take their argmax inside the lm_head call, `FusedTrunk.greedy_tokens`, "
-        "so their sampler row is 0); the Python row is the step's wall time minus everything above it. Produced by "
+        "screened with bf16 dot products from two rows on, so their sampler row is 0); the Python row is "
+        "the step's wall time minus everything above it. Produced by "
         "`benchmarks/profile_step.py`.",
         "",
         "| part | " + " | ".join(columns) + " |",
