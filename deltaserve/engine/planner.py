@@ -406,6 +406,7 @@ class MemoryPlan:
     text_params: int = 0
     mtp_params: int = 0
     vision_params: int = 0
+    fused_copy_bytes: int = 0  # fp32 compute of a bf16 checkpoint on a CPU: fused_copy_bytes()
     total_bytes: int = 0
     model_name: str = ""
 
@@ -440,11 +441,11 @@ def plan_memory(
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype)
     ssm_dtype = normalize_dtype(cfg.mamba_ssm_dtype)
     r = rank_shape(cfg, tp)
-    parts = weight_parts(cfg, tp, weight_dtype, with_mtp, include_vision)
     quant = cfg.quantization_config or {}
     wdtype = normalize_dtype(weight_dtype) if weight_dtype else (
         "fp8" if quant.get("quant_method") == "fp8" else model_dtype
     )
+    parts = weight_parts(cfg, tp, wdtype, with_mtp, include_vision)
 
     per_tok_layer = kv_bytes_per_token_per_layer(cfg, kv_dtype, tp)
     n_kv_layers = num_kv_cache_layers(cfg, with_mtp)
@@ -474,11 +475,39 @@ def plan_memory(
         vision_params=by_name["vision tower"].total_params if "vision tower" in by_name else 0,
         model_name=model_name,
     )
-    plan.total_bytes = plan.weight_bytes + plan.kv_cache_bytes + plan.gdn_state_bytes
+    if tp == 1 and wdtype == "float32" and normalize_dtype(cfg.torch_dtype) == "bfloat16":
+        plan.fused_copy_bytes = fused_copy_bytes(cfg, with_mtp)
+    plan.total_bytes = plan.weight_bytes + plan.fused_copy_bytes + plan.kv_cache_bytes + plan.gdn_state_bytes
     return plan
 
 
-# ---- printing ------------------------------------------------------------------------------------------
+FUSED_PANEL = 64  # outputs per bf16 panel of the fused step (deltaserve/model/fused.py, PANEL)
+
+
+def fused_copy_bytes(cfg: ModelConfig, with_mtp: bool = False) -> int:
+    """What the CPU fused step (deltaserve/model/fused.py; one process, no tensor parallelism) adds to fp32
+    weights whose values are bf16 numbers: a bf16 copy in panels of every projection it runs, projections
+    that read the same input fused into one (GDN q|k|v|z|b|a, attention q|k|v, MLP gate|up) and each padded
+    to a whole number of 64-output panels; and the lm_head once more, in pairs along its input, for the
+    greedy screen (CPUs with AVX512-BF16). The MTP head's layer and fc when it is loaded (one MTP layer)."""
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    dk, dv, hk, hv = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_key_heads, \
+        cfg.linear_num_value_heads
+
+    def panels(rows: int, cols: int) -> int:
+        return -(-rows // FUSED_PANEL) * FUSED_PANEL * cols
+
+    gdn = panels(2 * hk * dk + 2 * hv * dv + 2 * hv, H) + panels(H, hv * dv)
+    attention = panels(2 * nh * hd + 2 * nkv * hd, H) + panels(H, nh * hd)
+    mlp = panels(2 * I, H) + panels(H, I)
+    weights = len(cfg.gdn_layer_ids) * gdn + len(cfg.attention_layer_ids) * attention
+    weights += cfg.num_hidden_layers * mlp + panels(V, H) + panels(V, 2 * -(-H // 2))
+    if with_mtp and cfg.mtp_num_hidden_layers == 1:
+        weights += panels(H, 2 * H) + attention + mlp
+    return 2 * weights
+
+
 def format_bytes(n: int | float) -> str:
     """Binary units, chosen so the number reads well: 4.00 KiB, 3.00 MiB, 50.12 GiB."""
     n = float(n)
@@ -523,6 +552,9 @@ def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
     add(f"  {'total loaded':<{w}}  {'':>5}  {'':>14}  {'':>12}  {format_bytes(plan.weight_bytes):>12}")
     add(f"  parameters: text {format_params(plan.text_params)}, MTP {format_params(plan.mtp_params)}, "
         f"vision {format_params(plan.vision_params)}")
+    if plan.fused_copy_bytes:
+        add(f"  fused step on a CPU: + {format_bytes(plan.fused_copy_bytes)} of bf16 copies (the projections "
+            "in panels, the lm_head twice)")
     add("")
     def row(label: str, value: int, note: str = "") -> None:
         add(f"  {label:<24}{format_bytes(value):>12}{'   ' + note if note else ''}")
@@ -541,8 +573,9 @@ def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
     row(f"per sequence, {plan.num_gdn_layers} layers", plan.gdn_state_bytes_per_seq)
     row("all sequences", plan.gdn_state_bytes, f"({plan.max_num_seqs} slots)")
     add("")
+    copies = f" + fused copies {format_bytes(plan.fused_copy_bytes)}" if plan.fused_copy_bytes else ""
     add(f"Total per rank            {format_bytes(plan.total_bytes):>12}   "
-        f"(weights {format_bytes(plan.weight_bytes)}, cache {format_bytes(plan.cache_bytes)}; "
+        f"(weights {format_bytes(plan.weight_bytes)}{copies}, cache {format_bytes(plan.cache_bytes)}; "
         "activations not included)")
     if gpu_memory_bytes is not None:
         free = gpu_memory_bytes - plan.weight_bytes - plan.gdn_state_bytes
