@@ -103,6 +103,25 @@ def test_fused_steps_match_the_python_model(model) -> None:
         assert_caches_equal(ref_cache, fused_cache)
 
 
+@torch.inference_mode()
+def test_fused_commit_of_verified_states_matches_the_python_commit(model) -> None:
+    from deltaserve.engine.spec_decode import SpecDecoder
+
+    ref_cache, fused_cache = junk_cache(model, 1), junk_cache(model, 1)
+    fused = FusedTrunk(model, fused_cache)
+    lens, verify = [(4, 6), (1, 3), (3, 9)], [True, False, True]
+    ids = torch.randint(0, model.config.vocab_size, (8,), generator=torch.Generator().manual_seed(4))
+    ref_ctx, fused_ctx = context(ref_cache, lens, verify), context(fused_cache, lens, verify)
+    model(ids, ref_ctx)
+    fused(ids, fused_ctx)
+    accepted = [2, 0]  # the first verify segment keeps 3 positions, the second 1
+    SpecDecoder(ref_cache, None, None, 1, 0, None, None)._commit_gdn_states(ref_ctx, accepted)
+    SpecDecoder(fused_cache, None, None, 1, 0, None, None, fused.commit_verified)._commit_gdn_states(
+        fused_ctx, accepted)
+    assert not fused_ctx.spec_states
+    assert_caches_equal(ref_cache, fused_cache)
+
+
 def test_fused_logits_for_few_and_many_rows(model) -> None:
     fused = FusedTrunk(model, allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1))
     hidden = torch.randn(200, model.config.hidden_size)

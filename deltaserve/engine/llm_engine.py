@@ -154,7 +154,9 @@ class LLMEngine:
             mtp_hidden = self.model.mtp_hidden
             if fused is not None and len(self.model.mtp.layers) == 1:
                 mtp_hidden = FusedMTP(self.model, self.cache_tensors)  # the draft passes in C++ too
-            spec = SpecDecoder(self.cache_tensors, self.cache, sampler, k, self.max_model_len, head, mtp_hidden)
+            commit = fused.commit_verified if fused is not None else None
+            spec = SpecDecoder(self.cache_tensors, self.cache, sampler, k, self.max_model_len, head, mtp_hidden,
+                               commit)
             self.spec_metrics = SpecDecodeMetrics(accepted_per_position=[0] * k)
         self.runner = ModelRunner(self.model, self.cache_tensors, self.cache, sampler, head, spec, fused=fused)
         self.groups: dict[str, RequestGroup] = {}

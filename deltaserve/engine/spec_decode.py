@@ -68,8 +68,10 @@ class SpecDecoder:
     def __init__(
         self, cache: CacheTensors, manager: CacheManager, sampler: Sampler, num_speculative_tokens: int,
         max_model_len: int, head: LogitsHead, mtp_hidden: Callable[..., torch.Tensor],
+        commit: Callable[[ForwardContext, list[int]], None] | None = None,
     ) -> None:
-        """head and mtp_hidden are the model's own, or the fused step's (same signatures and maths)."""
+        """head and mtp_hidden are the model's own, or the fused step's (same signatures and maths); commit,
+        the fused step's FusedTrunk.commit_verified, does _commit_gdn_states' copies in one call."""
         self.cache = cache
         self.manager = manager
         self.sampler = sampler
@@ -77,6 +79,7 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.head = head
         self.mtp_hidden = mtp_hidden
+        self.commit = commit
 
     # ---- verification -----------------------------------------------------------------------------------
     def verify(
@@ -153,6 +156,10 @@ class SpecDecoder:
 
     def _commit_gdn_states(self, ctx: ForwardContext, accepted: list[int]) -> None:
         if not ctx.spec_states:
+            return
+        if self.commit is not None:
+            self.commit(ctx, accepted)
+            ctx.spec_states.clear()
             return
         slots = ctx.state_slots[ctx.spec_seqs]
         pick = torch.tensor(accepted, dtype=torch.long)

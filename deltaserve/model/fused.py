@@ -175,6 +175,15 @@ class FusedTrunk(_FusedStack):
             hidden = hidden[rows]
         return self._impl.greedy_tokens(hidden.float())
 
+    def commit_verified(self, ctx: ForwardContext, accepted: list[int]) -> None:
+        """Each verify segment's GDN slot takes the states after its last accepted position (row `accepted[r]`
+        of ctx.spec_states), as SpecDecoder's commit does op by op."""
+        states = [ctx.spec_states[layer_id] for layer_id in self.gdn_layer_ids]
+        self._impl.commit_verified(
+            [conv.float().contiguous() for conv, _ in states], [ssm.float().contiguous() for _, ssm in states],
+            ctx.state_slots[ctx.spec_seqs].contiguous(), torch.tensor(accepted, dtype=torch.long),
+        )
+
     @property
     def greedy_screen(self) -> bool:
         """Whether greedy_tokens screens the vocabulary with bf16 dot products before the exact fp32 pass

@@ -870,6 +870,40 @@ class FusedStack {
     return out;
   }
 
+  // After a verify step: verify segment r keeps in its GDN slot slots[r] the conv and recurrent states after
+  // its position pick[r], the last accepted token. conv_states / ssm_states: per GDN layer, in layer order,
+  // the per-position states [S, L, ...] that forward() returned (or the Python model left). One call and a
+  // memcpy per state instead of a few dozen small torch ops per step.
+  void commit_verified(const std::vector<at::Tensor>& conv_states, const std::vector<at::Tensor>& ssm_states,
+                       const at::Tensor& slots, const at::Tensor& pick) {
+    TORCH_CHECK(slots.scalar_type() == at::kLong && pick.scalar_type() == at::kLong && slots.is_contiguous() &&
+                    pick.is_contiguous() && slots.dim() == 1 && pick.sizes() == slots.sizes(),
+                "commit_verified: slots and pick are int64 [S]");
+    const int64_t S = slots.size(0);
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    const int64_t* pp = pick.data_ptr<int64_t>();
+    size_t g = 0;
+    for (const Layer& l : layers_) {
+      if (!l.gdn) continue;
+      TORCH_CHECK(g < conv_states.size() && g < ssm_states.size(), "commit_verified: one state pair per GDN layer");
+      for (const auto& [states, cache] : {std::pair{conv_states[g], l.g.conv_cache}, {ssm_states[g], l.g.ssm_cache}}) {
+        const int64_t row = cache.numel() / cache.size(0);
+        TORCH_CHECK(states.scalar_type() == at::kFloat && states.is_contiguous() && states.dim() >= 2 &&
+                        states.size(0) == S && states.numel() == S * states.size(1) * row,
+                    "commit_verified: states must be contiguous float32 [S, L, ...] of the cache's rows");
+        const int64_t L = states.size(1);
+        for (int64_t r = 0; r < S; ++r) {
+          TORCH_CHECK(sp[r] >= 0 && sp[r] < cache.size(0) && pp[r] >= 0 && pp[r] < L,
+                      "commit_verified: slot or position out of range");
+          std::memcpy(cache.data_ptr<float>() + sp[r] * row, states.data_ptr<float>() + (r * L + pp[r]) * row,
+                      row * sizeof(float));
+        }
+      }
+      ++g;
+    }
+    TORCH_CHECK(g == conv_states.size() && g == ssm_states.size(), "commit_verified: one state pair per GDN layer");
+  }
+
   // Whether greedy_tokens screens with bf16 dot products (see screened_greedy): the CPU has AVX512-BF16,
   // the lm_head is bf16-valued and finite, and set_greedy_screen has not turned it off (for measurements).
   bool greedy_screen_on() const { return use_greedy_screen_ && ready(greedy_screen_); }
@@ -1184,6 +1218,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &FusedStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("logits", &FusedStack::logits, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("greedy_tokens", &FusedStack::greedy_tokens, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("commit_verified", &FusedStack::commit_verified)
       .def("greedy_screen_on", &FusedStack::greedy_screen_on)
       .def("set_greedy_screen", &FusedStack::set_greedy_screen)
       .def("set_profiling", &FusedStack::set_profiling)
