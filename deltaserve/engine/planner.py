@@ -508,6 +508,7 @@ def fused_copy_bytes(cfg: ModelConfig, with_mtp: bool = False) -> int:
     return 2 * weights
 
 
+# ---- printing ------------------------------------------------------------------------------------------
 def format_bytes(n: int | float) -> str:
     """Binary units, chosen so the number reads well: 4.00 KiB, 3.00 MiB, 50.12 GiB."""
     n = float(n)

@@ -1152,7 +1152,7 @@ class FusedStack {
         if (n <= kShortSegment) short_work += n * (bt.positions[bt.qsl[b + 1] - 1] + 1) * nh * hd * 2;
       }
       at::parallel_for(0, bt.B, grain_for(short_work / std::max<int64_t>(bt.B, 1)), [&](int64_t b0, int64_t b1) {
-        std::vector<float> probs;  // [group, L]
+        std::vector<float> probs;  // [nkv, group, L]
         std::vector<int64_t> rows;   // offset (in floats) of each position's V row
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
@@ -1166,20 +1166,25 @@ class FusedStack {
           }
           for (int64_t t = t0; t < t0 + n; ++t) {
             const int64_t L = bt.positions[t] + 1;
-            probs.resize(group * L);
-            for (int64_t kvh = 0; kvh < nkv; ++kvh) {
-              const float* q0 = pp + t * width + kvh * group * 2 * hd;  // head g of the group: q0 + g * 2hd
-              auto keys_of = [&](int64_t j0) {  // [hd, block_size] keys of the block holding position j0
-                return k_cache + (table[j0 / block_size] * nkv + kvh) * hd * block_size;
-              };
-              for (int64_t j0 = 0; j0 < L; j0 += block_size) {
-                const float* next_kt = j0 + block_size < L ? keys_of(j0 + block_size) : nullptr;
-                block_scores(q0, 2 * hd, group, keys_of(j0), next_kt, hd, block_size, scale, probs.data() + j0, L,
-                             std::min(block_size, L - j0));
+            probs.resize(nkv * group * L);
+            // Block by block, the keys of every KV head (one contiguous run of the cache), then per head
+            // its softmax and values.
+            for (int64_t j0 = 0; j0 < L; j0 += block_size) {
+              const float* block_keys = k_cache + table[j0 / block_size] * nkv * hd * block_size;
+              const float* next_keys =
+                  j0 + block_size < L ? k_cache + table[j0 / block_size + 1] * nkv * hd * block_size : nullptr;
+              for (int64_t kvh = 0; kvh < nkv; ++kvh) {
+                const float* q0 = pp + t * width + kvh * group * 2 * hd;  // head g of the group: q0 + g * 2hd
+                const float* next_kt = next_keys != nullptr ? next_keys + kvh * hd * block_size : nullptr;
+                block_scores(q0, 2 * hd, group, block_keys + kvh * hd * block_size, next_kt, hd, block_size, scale,
+                             probs.data() + kvh * group * L + j0, L, std::min(block_size, L - j0));
               }
-              for (int64_t g = 0; g < group; ++g) softmax_row(probs.data() + g * L, L);
+            }
+            for (int64_t kvh = 0; kvh < nkv; ++kvh) {
+              float* head_probs = probs.data() + kvh * group * L;
+              for (int64_t g = 0; g < group; ++g) softmax_row(head_probs + g * L, L);
               float* o0 = ap + t * nh * hd + kvh * group * hd;
-              probs_times_v(probs.data(), L, group, v_cache + kvh * hd, rows.data(), hd, o0);
+              probs_times_v(head_probs, L, group, v_cache + kvh * hd, rows.data(), hd, o0);
             }
           }
         }
