@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltaserve.config import ConfigError, ModelConfig, UnsupportedFeatureError
+from deltaserve.model.fused import PANEL
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
@@ -481,9 +482,6 @@ def plan_memory(
     return plan
 
 
-FUSED_PANEL = 64  # outputs per bf16 panel of the fused step (deltaserve/model/fused.py, PANEL)
-
-
 def fused_copy_bytes(cfg: ModelConfig, with_mtp: bool = False) -> int:
     """What the CPU fused step (deltaserve/model/fused.py; one process, no tensor parallelism) adds to fp32
     weights whose values are bf16 numbers: a bf16 copy in panels of every projection it runs, projections
@@ -496,7 +494,7 @@ def fused_copy_bytes(cfg: ModelConfig, with_mtp: bool = False) -> int:
         cfg.linear_num_value_heads
 
     def panels(rows: int, cols: int) -> int:
-        return -(-rows // FUSED_PANEL) * FUSED_PANEL * cols
+        return -(-rows // PANEL) * PANEL * cols
 
     gdn = panels(2 * hk * dk + 2 * hv * dv + 2 * hv, H) + panels(H, hv * dv)
     attention = panels(2 * nh * hd + 2 * nkv * hd, H) + panels(H, nh * hd)

@@ -159,15 +159,14 @@ class SpecDecoder:
             return
         if self.commit is not None:
             self.commit(ctx, accepted)
-            ctx.spec_states.clear()
-            return
-        slots = ctx.state_slots[ctx.spec_seqs]
-        pick = torch.tensor(accepted, dtype=torch.long)
-        rows = torch.arange(len(accepted))
-        for layer_id, (conv_states, ssm_states) in ctx.spec_states.items():
-            conv_cache, ssm_cache = self.cache.conv[layer_id], self.cache.ssm[layer_id]
-            conv_cache[slots] = conv_states[rows, pick].to(conv_cache.dtype)
-            ssm_cache[slots] = ssm_states[rows, pick].to(ssm_cache.dtype)
+        else:
+            slots = ctx.state_slots[ctx.spec_seqs]
+            pick = torch.tensor(accepted, dtype=torch.long)
+            rows = torch.arange(len(accepted))
+            for layer_id, (conv_states, ssm_states) in ctx.spec_states.items():
+                conv_cache, ssm_cache = self.cache.conv[layer_id], self.cache.ssm[layer_id]
+                conv_cache[slots] = conv_states[rows, pick].to(conv_cache.dtype)
+                ssm_cache[slots] = ssm_states[rows, pick].to(ssm_cache.dtype)
         ctx.spec_states.clear()  # the per-position states are large; drop them now
 
     # ---- drafting ---------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -310,6 +311,20 @@ inline void panel_row_to_float(const uint16_t* row, float* w) {
   }
 }
 
+// Rows of x go through the panel kernels 6 at a time (24 accumulators + 4 weight registers of 32): calls
+// f(std::integral_constant<int, R>) with R = rows (1..6) known at compile time.
+template <typename F>
+inline void with_row_tile(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    default: f(std::integral_constant<int, 6>{}); break;
+  }
+}
+
 // R input rows times one panel: R x 64 fp32 accumulators in registers, each weight converted once and used
 // for all R rows. The products and the fp32 accumulation are the GEMM's; only the summation order differs.
 template <int R>
@@ -423,19 +438,12 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
       for (int64_t p = p0; p < p1; ++p) {
         const uint16_t* panel = wp + p * K * kPanel;
         const int64_t n0 = p * kPanel, ncols = std::min(kPanel, N - n0);
-        for (int64_t t = r0; t < r1; t += 6) {  // 6 rows: 24 accumulators + 4 weight registers of 32
+        for (int64_t t = r0; t < r1; t += 6) {
           const int64_t rows = std::min<int64_t>(6, r1 - t);
           const float* xt = xp + t * K;
           float* out = yp != nullptr ? yp + t * N + n0 : tile;
           const int64_t ld = yp != nullptr ? N : kPanel;
-          switch (rows) {
-            case 1: panel_rows<1>(xt, K, panel, out, ld, ncols); break;
-            case 2: panel_rows<2>(xt, K, panel, out, ld, ncols); break;
-            case 3: panel_rows<3>(xt, K, panel, out, ld, ncols); break;
-            case 4: panel_rows<4>(xt, K, panel, out, ld, ncols); break;
-            case 5: panel_rows<5>(xt, K, panel, out, ld, ncols); break;
-            default: panel_rows<6>(xt, K, panel, out, ld, ncols); break;
-          }
+          with_row_tile(rows, [&](auto R) { panel_rows<decltype(R)::value>(xt, K, panel, out, ld, ncols); });
           for (int64_t r = 0; yp == nullptr && r < rows; ++r) {
             const int64_t at = first_argmax(tile + r * kPanel, ncols);
             best_value[(t + r) * P + p] = tile[r * kPanel + at];
@@ -582,19 +590,11 @@ void screened_greedy(const at::Tensor& h, const GreedyScreen& s, const Linear& l
         const uint16_t* panel = wp + p * K2 * 2 * kPanel;
         for (int64_t t = r0; t < r1; t += 6) {
           const int64_t rows = std::min<int64_t>(6, r1 - t);
-          const uint32_t* xt = pairs.data() + t * K2;
-          auto run = [&](auto tile) {
-            tile(xt, K2, panel, np + p * kPanel, bp + p * kPanel, scale.data() + t, slack.data() + t,
-                 lower.data() + t * P + p, upper.data() + t * P + p, P);
-          };
-          switch (rows) {
-            case 1: run(screen_rows<1>); break;
-            case 2: run(screen_rows<2>); break;
-            case 3: run(screen_rows<3>); break;
-            case 4: run(screen_rows<4>); break;
-            case 5: run(screen_rows<5>); break;
-            default: run(screen_rows<6>); break;
-          }
+          with_row_tile(rows, [&](auto R) {
+            screen_rows<decltype(R)::value>(pairs.data() + t * K2, K2, panel, np + p * kPanel, bp + p * kPanel,
+                                            scale.data() + t, slack.data() + t, lower.data() + t * P + p,
+                                            upper.data() + t * P + p, P);
+          });
         }
       }
     });
@@ -892,11 +892,12 @@ class FusedStack {
                         states.size(0) == S && states.numel() == S * states.size(1) * row,
                     "commit_verified: states must be contiguous float32 [S, L, ...] of the cache's rows");
         const int64_t L = states.size(1);
+        float* to = cache.data_ptr<float>();
+        const float* from = states.data_ptr<float>();
         for (int64_t r = 0; r < S; ++r) {
           TORCH_CHECK(sp[r] >= 0 && sp[r] < cache.size(0) && pp[r] >= 0 && pp[r] < L,
                       "commit_verified: slot or position out of range");
-          std::memcpy(cache.data_ptr<float>() + sp[r] * row, states.data_ptr<float>() + (r * L + pp[r]) * row,
-                      row * sizeof(float));
+          std::memcpy(to + sp[r] * row, from + (r * L + pp[r]) * row, row * sizeof(float));
         }
       }
       ++g;
