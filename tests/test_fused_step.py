@@ -146,6 +146,20 @@ def test_panel_projection_matches_torch_linear(rows: int) -> None:
         torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
+def test_panel_projection_with_an_output_written_around_the_caches() -> None:
+    """An output over 4 MB (a long prompt chunk's) is written with non-temporal stores: the same numbers as
+    the same rows projected a few at a time, and a partial last panel still lands in place."""
+    g = torch.Generator().manual_seed(0)
+    n_out, k_in = 528, 64  # 8 full panels and one of 16 outputs; 2048 x 528 floats is 4.3 MB
+    weight = torch.randn(n_out, k_in, generator=g).bfloat16().float()
+    x = torch.randn(2048, k_in, generator=g)
+    _, panels = _linear(weight)
+    ext = load_extension()
+    got = ext.linear_panels(x, panels, n_out)
+    assert torch.equal(got, torch.cat([ext.linear_panels(rows, panels, n_out) for rows in x.split(96)]))
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
 def test_fused_greedy_tokens_are_the_argmax_of_the_logits(model) -> None:
     fused = FusedTrunk(model, allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1))
     hidden = torch.randn(40, model.config.hidden_size)

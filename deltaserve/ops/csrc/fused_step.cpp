@@ -116,8 +116,13 @@ inline void state_times_kq(const float* S, const float* k, const float* q, int64
 // In-place softmax of one row of n scores.
 inline void softmax_row(float* x, int64_t n) {
   float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i]);
+  int64_t tail = 0;
+#if defined(__AVX512F__)  // the compiler leaves a max reduction scalar (std::max's NaN order)
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (; tail + 16 <= n; tail += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + tail));
+  mx = _mm512_reduce_max_ps(m);
+#endif
+  for (int64_t i = tail; i < n; ++i) mx = std::max(mx, x[i]);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
@@ -125,6 +130,7 @@ inline void softmax_row(float* x, int64_t n) {
     sum += x[i];
   }
   const float inv = 1.0f / sum;
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
 
@@ -138,26 +144,25 @@ inline int64_t grain_for(int64_t work_per_item) {
   return std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(work_per_item, 1));
 }
 
-// Asks for the cache lines of [p, p + bytes) ahead of use. The attention loops read the KV cache block by
-// block, each block its own 4 KB page where the hardware prefetcher starts cold; they ask for the next
-// block's lines (keys) or the row kPrefetchRows ahead (values) while they compute.
-constexpr int64_t kPrefetchRows = 16;
-inline void prefetch(const float* p, int64_t bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
-}
+// Decode attention reads the KV cache block by block, each block its own pages where the hardware prefetcher
+// starts cold; while it computes one block it asks for the keys and values of the block kBlocksAhead on
+// (possibly the next sequence's), into L2. Without it the loop waits on DRAM, at a quarter of its bandwidth.
+constexpr int64_t kBlocksAhead = 2;
 
 #if defined(__AVX512F__)
 // The register-tiled forms of block_scores and probs_times_v below, for a group of G <= 8 query heads per
 // KV head known at compile time (a runtime G left the accumulators on the stack, each FMA waiting on a
 // store). Larger groups, and machines without AVX-512, take the plain loops.
 template <int G>
-inline void block_scores_tile(const float* q0, int64_t q_stride, const float* kt, const float* next_kt,
-                              int64_t hd, float scale, float* out, int64_t ld, int64_t n) {
+inline void block_scores_tile(const float* q0, int64_t q_stride, const float* kt, const float* ahead_k,
+                              const float* ahead_v, int64_t hd, float scale, float* out, int64_t ld, int64_t n) {
   __m512 acc[G];
   for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
   for (int64_t e = 0; e < hd; ++e) {
-    if (next_kt != nullptr) __builtin_prefetch(next_kt + e * 16);  // a dim's 16 keys: one cache line
+    if (ahead_k != nullptr) {  // one line of each, spread over the loop: a burst would stall it
+      __builtin_prefetch(ahead_k + e * 16, 0, 1);
+      __builtin_prefetch(ahead_v + e * 16, 0, 1);
+    }
     const __m512 k = _mm512_loadu_ps(kt + e * 16);
     for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q0[g * q_stride + e]), k, acc[g]);
   }
@@ -176,7 +181,6 @@ inline void probs_times_v_tile(const float* probs, int64_t L, const float* v_bas
       for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
     }
     for (int64_t j = 0; j < L; ++j) {
-      if (j + kPrefetchRows < L) prefetch(v_base + rows[j + kPrefetchRows] + e0, 64 * C);
       const float* row = v_base + rows[j] + e0;
       __m512 v[C];
       for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(row + 16 * c);
@@ -204,19 +208,20 @@ inline void probs_times_v_group(const float* probs, int64_t L, const float* v_ba
 // Scores of the G query heads of one KV head (head g's query at q0 + g * q_stride) against one cache block
 // of keys, kt [hd, block_size] (transposed: a dim's keys are contiguous): out[g * ld + l] = scale * q_g . k_l
 // for the first n offsets l. A block of 16 keeps every head's 16 scores in a register while the dims stream.
-inline void block_scores(const float* q0, int64_t q_stride, int64_t G, const float* kt, const float* next_kt,
-                         int64_t hd, int64_t block_size, float scale, float* out, int64_t ld, int64_t n) {
+inline void block_scores(const float* q0, int64_t q_stride, int64_t G, const float* kt, const float* ahead_k,
+                         const float* ahead_v, int64_t hd, int64_t block_size, float scale, float* out, int64_t ld,
+                         int64_t n) {
 #if defined(__AVX512F__)
   if (block_size == 16) {
     switch (G) {
-      case 1: return block_scores_tile<1>(q0, q_stride, kt, next_kt, hd, scale, out, ld, n);
-      case 2: return block_scores_tile<2>(q0, q_stride, kt, next_kt, hd, scale, out, ld, n);
-      case 3: return block_scores_tile<3>(q0, q_stride, kt, next_kt, hd, scale, out, ld, n);
-      case 4: return block_scores_tile<4>(q0, q_stride, kt, next_kt, hd, scale, out, ld, n);
-      case 5: return block_scores_tile<5>(q0, q_stride, kt, next_kt, hd, scale, out, ld, n);
-      case 6: return block_scores_tile<6>(q0, q_stride, kt, next_kt, hd, scale, out, ld, n);
-      case 7: return block_scores_tile<7>(q0, q_stride, kt, next_kt, hd, scale, out, ld, n);
-      case 8: return block_scores_tile<8>(q0, q_stride, kt, next_kt, hd, scale, out, ld, n);
+      case 1: return block_scores_tile<1>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, out, ld, n);
+      case 2: return block_scores_tile<2>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, out, ld, n);
+      case 3: return block_scores_tile<3>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, out, ld, n);
+      case 4: return block_scores_tile<4>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, out, ld, n);
+      case 5: return block_scores_tile<5>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, out, ld, n);
+      case 6: return block_scores_tile<6>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, out, ld, n);
+      case 7: return block_scores_tile<7>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, out, ld, n);
+      case 8: return block_scores_tile<8>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, out, ld, n);
       default: break;
     }
   }
@@ -327,8 +332,10 @@ inline void with_row_tile(int64_t rows, F&& f) {
 
 // R input rows times one panel: R x 64 fp32 accumulators in registers, each weight converted once and used
 // for all R rows. The products and the fp32 accumulation are the GEMM's; only the summation order differs.
+// `stream`: write full panels of y with non-temporal stores (y and ldy 64-byte aligned; see linear_panels).
 template <int R>
-void panel_rows(const float* x, int64_t K, const uint16_t* panel, float* y, int64_t ldy, int64_t ncols) {
+void panel_rows(const float* x, int64_t K, const uint16_t* panel, float* y, int64_t ldy, int64_t ncols,
+                bool stream = false) {
 #if defined(__AVX512F__)
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r) {
@@ -347,7 +354,9 @@ void panel_rows(const float* x, int64_t K, const uint16_t* panel, float* y, int6
     }
   }
   for (int r = 0; r < R; ++r) {
-    if (ncols == kPanel) {
+    if (ncols == kPanel && stream) {
+      for (int j = 0; j < 4; ++j) _mm512_stream_ps(y + r * ldy + 16 * j, acc[r][j]);
+    } else if (ncols == kPanel) {
       for (int j = 0; j < 4; ++j) _mm512_storeu_ps(y + r * ldy + 16 * j, acc[r][j]);
     } else {  // the last panel of an N that is not a multiple of 64
       float row[kPanel];
@@ -373,6 +382,7 @@ void panel_rows(const float* x, int64_t K, const uint16_t* panel, float* y, int6
 // Rows of x processed against every panel before the next rows: 96 rows of K <= 1024 floats stay in L2
 // while the panels stream past them (a 2048-row prompt chunk otherwise re-reads x from L3 for each panel).
 constexpr int64_t kRowBlock = 96;
+constexpr int64_t kStreamBytes = 4 << 20;
 
 // torch.argmax's order: the larger wins, a NaN beats every number, and of equals the first stays.
 inline bool beats(float v, float current) { return v > current || (v != v && current == current); }
@@ -431,6 +441,11 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
   const float* xp = x.data_ptr<float>();
   float* yp = argmax == nullptr ? y.data_ptr<float>() : nullptr;
+  // An output past kStreamBytes (a long prompt chunk's) is written around the caches: a normal store first
+  // reads each line of y from memory, and y would push the row block and the panel out of L2. 3-5% on the
+  // 60M benchmark model's 2048-row projections with outputs of 12 MB and more.
+  const bool stream = yp != nullptr && T * N * static_cast<int64_t>(sizeof(float)) > kStreamBytes && N % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(yp) % 64 == 0;
   for (int64_t r0 = 0; r0 < T; r0 += kRowBlock) {
     const int64_t r1 = std::min(T, r0 + kRowBlock);
     at::parallel_for(0, P, grain_for((r1 - r0) * K * kPanel), [&](int64_t p0, int64_t p1) {
@@ -443,7 +458,7 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
           const float* xt = xp + t * K;
           float* out = yp != nullptr ? yp + t * N + n0 : tile;
           const int64_t ld = yp != nullptr ? N : kPanel;
-          with_row_tile(rows, [&](auto R) { panel_rows<decltype(R)::value>(xt, K, panel, out, ld, ncols); });
+          with_row_tile(rows, [&](auto R) { panel_rows<decltype(R)::value>(xt, K, panel, out, ld, ncols, stream); });
           for (int64_t r = 0; yp == nullptr && r < rows; ++r) {
             const int64_t at = first_argmax(tile + r * kPanel, ncols);
             best_value[(t + r) * P + p] = tile[r * kPanel + at];
@@ -451,6 +466,9 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
           }
         }
       }
+#if defined(__AVX512F__)
+      if (stream) _mm_sfence();  // the non-temporal stores are ordered before whatever reads y next
+#endif
     });
   }
   for (int64_t t = 0; argmax != nullptr && t < T; ++t) {
@@ -1152,6 +1170,18 @@ class FusedStack {
         const int64_t n = bt.qsl[b + 1] - bt.qsl[b];
         if (n <= kShortSegment) short_work += n * (bt.positions[bt.qsl[b + 1] - 1] + 1) * nh * hd * 2;
       }
+      // The cache block i of those token t reads, counting on into the next short segment's first blocks (up to
+      // b1): the block whose keys and values to ask for while computing an earlier one. -1 past the end.
+      const int64_t block_floats = block_size * row_size;
+      auto block_ahead = [&](int64_t b, int64_t b1, int64_t t, int64_t i) -> int64_t {
+        int64_t blocks = (bt.positions[t] + block_size) / block_size;
+        if (i < blocks) return bt.block_tables[b * bt.table_width + i];
+        i -= blocks;
+        if (t + 1 < bt.qsl[b + 1]) return i < blocks ? bt.block_tables[b * bt.table_width + i] : -1;  // next token
+        if (b + 1 >= b1 || bt.qsl[b + 2] - bt.qsl[b + 1] > kShortSegment) return -1;
+        blocks = (bt.positions[bt.qsl[b + 1]] + block_size) / block_size;
+        return i < blocks ? bt.block_tables[(b + 1) * bt.table_width + i] : -1;
+      };
       at::parallel_for(0, bt.B, grain_for(short_work / std::max<int64_t>(bt.B, 1)), [&](int64_t b0, int64_t b1) {
         std::vector<float> probs;  // [nkv, group, L]
         std::vector<int64_t> rows;   // offset (in floats) of each position's V row
@@ -1170,15 +1200,18 @@ class FusedStack {
             probs.resize(nkv * group * L);
             // Block by block, the keys of every KV head (one contiguous run of the cache), then per head
             // its softmax and values.
-            for (int64_t j0 = 0; j0 < L; j0 += block_size) {
-              const float* block_keys = k_cache + table[j0 / block_size] * nkv * hd * block_size;
-              const float* next_keys =
-                  j0 + block_size < L ? k_cache + table[j0 / block_size + 1] * nkv * hd * block_size : nullptr;
+            const int64_t nb = (L + block_size - 1) / block_size;
+            for (int64_t i = 0; i < nb; ++i) {
+              const int64_t j0 = i * block_size;
+              const int64_t ahead = block_ahead(b, b1, t, i + kBlocksAhead);
+              const float* block_keys = k_cache + table[i] * block_floats;
               for (int64_t kvh = 0; kvh < nkv; ++kvh) {
                 const float* q0 = pp + t * width + kvh * group * 2 * hd;  // head g of the group: q0 + g * 2hd
-                const float* next_kt = next_keys != nullptr ? next_keys + kvh * hd * block_size : nullptr;
-                block_scores(q0, 2 * hd, group, block_keys + kvh * hd * block_size, next_kt, hd, block_size, scale,
-                             probs.data() + kvh * group * L + j0, L, std::min(block_size, L - j0));
+                // each head's pass asks for its share (1/nkv) of the K and V blocks `ahead`
+                const int64_t share = ahead * block_floats + kvh * hd * block_size;
+                block_scores(q0, 2 * hd, group, block_keys + kvh * hd * block_size,
+                             ahead >= 0 ? k_cache + share : nullptr, ahead >= 0 ? v_cache + share : nullptr, hd,
+                             block_size, scale, probs.data() + kvh * group * L + j0, L, std::min(block_size, L - j0));
               }
             }
             for (int64_t kvh = 0; kvh < nkv; ++kvh) {
