@@ -146,7 +146,8 @@ inline int64_t grain_for(int64_t work_per_item) {
 
 // Decode attention reads the KV cache block by block, each block its own pages where the hardware prefetcher
 // starts cold; while it computes one block it asks for the keys and values of the block kBlocksAhead on
-// (possibly the next sequence's), into L2. Without it the loop waits on DRAM, at a quarter of its bandwidth.
+// (possibly the next sequence's), into L2. On the 60M benchmark model's decode steps: 10-17% less time in
+// attention than without (it still reads the cache at well under DRAM bandwidth).
 constexpr int64_t kBlocksAhead = 2;
 
 #if defined(__AVX512F__)
@@ -365,6 +366,7 @@ void panel_rows(const float* x, int64_t K, const uint16_t* panel, float* y, int6
     }
   }
 #else
+  (void)stream;  // plain stores here
   float acc[R][kPanel] = {};
   for (int64_t k = 0; k < K; ++k) {
     float w[kPanel];
@@ -1170,8 +1172,9 @@ class FusedStack {
         const int64_t n = bt.qsl[b + 1] - bt.qsl[b];
         if (n <= kShortSegment) short_work += n * (bt.positions[bt.qsl[b + 1] - 1] + 1) * nh * hd * 2;
       }
-      // The cache block i of those token t reads, counting on into the next short segment's first blocks (up to
-      // b1): the block whose keys and values to ask for while computing an earlier one. -1 past the end.
+      // Block i of those token t attends to, counting on past its last one into the blocks of the next token
+      // of its sequence or of the next short segment (below b1, this thread's end): what to ask for while an
+      // earlier block is computed. -1 when there is none.
       const int64_t block_floats = block_size * row_size;
       auto block_ahead = [&](int64_t b, int64_t b1, int64_t t, int64_t i) -> int64_t {
         int64_t blocks = (bt.positions[t] + block_size) / block_size;
