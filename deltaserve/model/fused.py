@@ -127,6 +127,11 @@ class _FusedStack:
 
     PROFILE_PARTS = ("projections", "gdn_conv_and_recurrence", "attention", "forward")
 
+    def set_loop_kv_bytes(self, kv_bytes: int) -> None:
+        """Prompt chunks whose cached keys and values (per layer) exceed this many bytes attend through
+        torch's fused kernel rather than the C++ loop (default 8 MB); 0 sends every chunk there."""
+        self._impl.set_loop_kv_bytes(kv_bytes)
+
     def set_profiling(self, on: bool) -> None:
         """While on, every forward adds the seconds spent in each of PROFILE_PARTS to the profile."""
         self._impl.set_profiling(on)

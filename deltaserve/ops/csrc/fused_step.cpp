@@ -302,8 +302,17 @@ struct Linear {
   at::Tensor w, panels;
 };
 
-// Segments longer than this attend through torch's fused attention kernel; shorter ones in a plain loop.
-constexpr int64_t kShortSegment = 16;
+// Attention's loop over query tokens takes them kItemTokens of one sequence at a time (its unit of work
+// between threads). A prompt chunk whose cached keys and values exceed kLoopKVBytes goes to torch's fused
+// attention kernel instead, which reads them once per block of queries rather than once per query: below
+// that the loop is faster (on the 60M benchmark model, one thread: 2k-token prompt 0.139 -> 0.107 s of
+// attention; a 4000-token one, 4 MB of K/V a layer, 0.63 -> 0.41 s).
+constexpr int64_t kItemTokens = 16;
+constexpr int64_t kLoopKVBytes = 8 << 20;
+
+struct AttentionItem {
+  int64_t seq, begin, end;  // tokens [begin, end) of sequence seq
+};
 
 // The 64 weights of panel row k in fp32, in output order (the portable path; AVX-512 does it in registers).
 inline void panel_row_to_float(const uint16_t* row, float* w) {
@@ -930,6 +939,10 @@ class FusedStack {
   bool greedy_screen_on() const { return use_greedy_screen_ && ready(greedy_screen_); }
   void set_greedy_screen(bool on) { use_greedy_screen_ = on; }
 
+  // Prompt chunks whose cached K and V (per layer) exceed this many bytes attend through torch's fused
+  // kernel, the others in the loop (kLoopKVBytes unless set; tests set 0 to check both paths).
+  void set_loop_kv_bytes(int64_t bytes) { loop_kv_bytes_ = bytes; }
+
   // While on, forward() adds the seconds it spends in each part to the profile; profile() returns and
   // clears {projections, GDN conv + recurrence, attention, whole forward}.
   void set_profiling(bool on) { profiling_ = on; }
@@ -1142,63 +1155,54 @@ class FusedStack {
         for (int64_t e = 0; e < row_size; ++e) kt[e * block_size] = k[e];
       }
 
-      // 2. each query token attends to positions 0 .. its own, read through its sequence's block table:
-      // long segments (prompt chunks) through torch's fused attention kernel, short ones in a loop per
-      // (token, kv head) that reads each cached K/V row once for all the query heads of its group.
+      // 2. each query token attends to positions 0 .. its own, read through its sequence's block table: in a
+      // loop per (token, kv head) that reads each cached K/V row once for all the query heads of its group,
+      // or, for a prompt chunk whose keys and values outgrow the caches (re-read for each of its tokens),
+      // through torch's fused attention kernel.
       float* ap = attn.data_ptr<float>();
       const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+      const int64_t kv_bytes_per_position = 2 * row_size * static_cast<int64_t>(sizeof(float));
+      std::vector<AttentionItem> items;  // the loop's work: up to kItemTokens tokens of one sequence
+      int64_t loop_work = 0;             // query x key pairs, times the head work
       for (int64_t b = 0; b < bt.B; ++b) {
         const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
-        if (n <= kShortSegment) continue;
+        if (n == 0) continue;
         const int64_t L = bt.positions[t0 + n - 1] + 1;
-        const int64_t nb = (L + block_size - 1) / block_size;
-        at::Tensor blocks = at::from_blob(const_cast<int64_t*>(bt.block_tables + b * bt.table_width), {nb},
-                                          at::kLong);
-        auto heads_first = [&](const at::Tensor& rows) {  // [nb * block_size, nkv, hd] -> [1, nkv, L, hd]
-          return rows.narrow(0, 0, L).transpose(0, 1).unsqueeze(0);
-        };
-        at::Tensor keys = heads_first(
-            w.k_cache.index_select(0, blocks).permute({0, 3, 1, 2}).reshape({nb * block_size, nkv, hd}));
-        at::Tensor values = heads_first(w.v_cache.index_select(0, blocks).reshape({nb * block_size, nkv, hd}));
-        at::Tensor q = proj.narrow(0, t0, n).narrow(1, 0, q_width).view({n, nh, 2 * hd}).narrow(2, 0, hd);
-        std::optional<at::Tensor> mask;  // the n queries are the last n of the L positions
-        if (L != n) mask = at::arange(L).unsqueeze(0) <= at::arange(L - n, L).unsqueeze(1);
-        at::Tensor out = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, mask,
-                                                          0.0, L == n, scale, true);
-        attn.narrow(0, t0, n).view({n, nh, hd}).copy_(out[0].transpose(0, 1));
+        if (n > kItemTokens && L * kv_bytes_per_position > loop_kv_bytes_) {
+          fused_attention(w, proj, attn, bt, b, L, scale);
+          continue;
+        }
+        for (int64_t t = t0; t < t0 + n; t += kItemTokens) items.push_back({b, t, std::min(t0 + n, t + kItemTokens)});
+        loop_work += n * L * nh * hd * 2;
       }
-      int64_t short_work = 0;  // query x key pairs of the short segments, times the head work
-      for (int64_t b = 0; b < bt.B; ++b) {
-        const int64_t n = bt.qsl[b + 1] - bt.qsl[b];
-        if (n <= kShortSegment) short_work += n * (bt.positions[bt.qsl[b + 1] - 1] + 1) * nh * hd * 2;
-      }
-      // Block i of those token t attends to, counting on past its last one into the blocks of the next token
-      // of its sequence or of the next short segment (below b1, this thread's end): what to ask for while an
-      // earlier block is computed. -1 when there is none.
+      // Block i of those token t (of items[k]) attends to, counting on past its last one into the blocks of
+      // the next query token up to items[k_end]: what to ask for while an earlier block is computed. -1 when
+      // there is none.
       const int64_t block_floats = block_size * row_size;
-      auto block_ahead = [&](int64_t b, int64_t b1, int64_t t, int64_t i) -> int64_t {
-        int64_t blocks = (bt.positions[t] + block_size) / block_size;
+      auto block_ahead = [&](int64_t k, int64_t k_end, int64_t t, int64_t i) -> int64_t {
+        int64_t b = items[k].seq, blocks = bt.positions[t] / block_size + 1;
         if (i < blocks) return bt.block_tables[b * bt.table_width + i];
         i -= blocks;
-        if (t + 1 < bt.qsl[b + 1]) return i < blocks ? bt.block_tables[b * bt.table_width + i] : -1;  // next token
-        if (b + 1 >= b1 || bt.qsl[b + 2] - bt.qsl[b + 1] > kShortSegment) return -1;
-        blocks = (bt.positions[bt.qsl[b + 1]] + block_size) / block_size;
-        return i < blocks ? bt.block_tables[(b + 1) * bt.table_width + i] : -1;
+        if (++t == items[k].end) {
+          if (k + 1 == k_end) return -1;
+          b = items[k + 1].seq, t = items[k + 1].begin;
+        }
+        return i <= bt.positions[t] / block_size ? bt.block_tables[b * bt.table_width + i] : -1;
       };
-      at::parallel_for(0, bt.B, grain_for(short_work / std::max<int64_t>(bt.B, 1)), [&](int64_t b0, int64_t b1) {
+      const int64_t num_items = static_cast<int64_t>(items.size());
+      at::parallel_for(0, num_items, grain_for(loop_work / std::max<int64_t>(num_items, 1)), [&](int64_t k0, int64_t k1) {
         std::vector<float> probs;  // [nkv, group, L]
         std::vector<int64_t> rows;   // offset (in floats) of each position's V row
-        for (int64_t b = b0; b < b1; ++b) {
-          const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
-          if (n > kShortSegment) continue;
-          const int64_t* table = bt.block_tables + b * bt.table_width;
-          const int64_t len = bt.positions[t0 + n - 1] + 1;
+        for (int64_t k = k0; k < k1; ++k) {
+          const AttentionItem item = items[k];
+          const int64_t* table = bt.block_tables + item.seq * bt.table_width;
+          const int64_t len = bt.positions[item.end - 1] + 1;
           rows.resize(len);
           for (int64_t j0 = 0; j0 < len; j0 += block_size) {  // block by block: no division per position
             const int64_t first = table[j0 / block_size] * block_size * row_size;
             for (int64_t j = j0; j < std::min(len, j0 + block_size); ++j) rows[j] = first + (j - j0) * row_size;
           }
-          for (int64_t t = t0; t < t0 + n; ++t) {
+          for (int64_t t = item.begin; t < item.end; ++t) {
             const int64_t L = bt.positions[t] + 1;
             probs.resize(nkv * group * L);
             // Block by block, the keys of every KV head (one contiguous run of the cache), then per head
@@ -1206,7 +1210,7 @@ class FusedStack {
             const int64_t nb = (L + block_size - 1) / block_size;
             for (int64_t i = 0; i < nb; ++i) {
               const int64_t j0 = i * block_size;
-              const int64_t ahead = block_ahead(b, b1, t, i + kBlocksAhead);
+              const int64_t ahead = block_ahead(k, k1, t, i + kBlocksAhead);
               const float* block_keys = k_cache + table[i] * block_floats;
               for (int64_t kvh = 0; kvh < nkv; ++kvh) {
                 const float* q0 = pp + t * width + kvh * group * 2 * hd;  // head g of the group: q0 + g * 2hd
@@ -1239,6 +1243,27 @@ class FusedStack {
     return project(w.o_w, attn);
   }
 
+  // Attention of sequence b's query tokens (the last n of its L positions) through torch's fused kernel,
+  // with its keys and values gathered from the cache blocks into [1, nkv, L, hd].
+  void fused_attention(const AttnWeights& w, const at::Tensor& proj, at::Tensor& attn, const Batch& bt, int64_t b,
+                       int64_t L, float scale) const {
+    const int64_t nh = d_.nh, nkv = d_.nkv, hd = d_.hd, block_size = w.v_cache.size(1);
+    const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0, nb = (L + block_size - 1) / block_size;
+    at::Tensor blocks = at::from_blob(const_cast<int64_t*>(bt.block_tables + b * bt.table_width), {nb}, at::kLong);
+    auto heads_first = [&](const at::Tensor& rows) {  // [nb * block_size, nkv, hd] -> [1, nkv, L, hd]
+      return rows.narrow(0, 0, L).transpose(0, 1).unsqueeze(0);
+    };
+    at::Tensor keys =
+        heads_first(w.k_cache.index_select(0, blocks).permute({0, 3, 1, 2}).reshape({nb * block_size, nkv, hd}));
+    at::Tensor values = heads_first(w.v_cache.index_select(0, blocks).reshape({nb * block_size, nkv, hd}));
+    at::Tensor q = proj.narrow(0, t0, n).narrow(1, 0, 2 * nh * hd).view({n, nh, 2 * hd}).narrow(2, 0, hd);
+    std::optional<at::Tensor> mask;  // the n queries are the last n of the L positions
+    if (L != n) mask = at::arange(L).unsqueeze(0) <= at::arange(L - n, L).unsqueeze(1);
+    at::Tensor out =
+        at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, mask, 0.0, L == n, scale, true);
+    attn.narrow(0, t0, n).view({n, nh, hd}).copy_(out[0].transpose(0, 1));
+  }
+
   Dims d_;
   int64_t num_slots_ = -1, num_blocks_ = -1, block_size_ = 1;
   bool profiling_ = false;
@@ -1247,6 +1272,7 @@ class FusedStack {
   Linear lm_head_;
   GreedyScreen greedy_screen_;
   bool use_greedy_screen_ = true;
+  int64_t loop_kv_bytes_ = kLoopKVBytes;
   Linear fc_;  // MTP head only, with the two pre-fc norm scales
   at::Tensor pre_embed_scale_, pre_hidden_scale_;
   std::vector<Layer> layers_;
@@ -1264,7 +1290,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("greedy_screen_on", &FusedStack::greedy_screen_on)
       .def("set_greedy_screen", &FusedStack::set_greedy_screen)
       .def("set_profiling", &FusedStack::set_profiling)
-      .def("profile", &FusedStack::profile);
+      .def("profile", &FusedStack::profile)
+      .def("set_loop_kv_bytes", &FusedStack::set_loop_kv_bytes);
   // The bf16 panel projection alone (x [T, K] float32, panels from fused.py's _linear, N outputs), for its
   // test against torch and for measurements.
   m.def("linear_panels", [](const at::Tensor& x, const at::Tensor& panels, int64_t N) {
