@@ -248,19 +248,15 @@ class SpecDecoder:
         own parameters (so drafts resemble the target); sampled drafts keep the distribution they were
         drawn from."""
         states = [_state_at(r.sampling, r.spec_token_ids) for r in reqs]
-        tokens = self.head.plain_argmax(hidden, None, states, self.sampler)
-        if tokens is not None:
-            for r, t in zip(reqs, tokens, strict=True):
-                r.spec_token_ids.append(t)
-                r.spec_draft_probs.append(None)
-            return
-        processed = self.sampler.process_logits(self.head.compute_logits(hidden), states)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         random = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if greedy:
-            for i, t in zip(greedy, processed[greedy].argmax(dim=-1).tolist(), strict=True):
-                reqs[i].spec_token_ids.append(t)
-                reqs[i].spec_draft_probs.append(None)
+        tokens = self.head.plain_argmax(hidden, None, states, self.sampler)  # all plain greedy: no logits
+        if tokens is None:
+            processed = self.sampler.process_logits(self.head.compute_logits(hidden), states)
+            tokens = processed[greedy].argmax(dim=-1).tolist() if greedy else []
+        for i, t in zip(greedy, tokens, strict=True):
+            reqs[i].spec_token_ids.append(t)
+            reqs[i].spec_draft_probs.append(None)
         if random:
             sub = [states[i] for i in random]
             probs = self.sampler.filtered_probs(processed[random], sub)
