@@ -106,6 +106,34 @@ def test_fused_steps_match_the_python_model(model, prompt_attention: str) -> Non
         assert_caches_equal(ref_cache, fused_cache)
 
 
+
+@torch.inference_mode()
+def test_fused_step_hands_back_only_the_rows_asked_for(model) -> None:
+    """output_rows: the asked rows' hidden states as the full step computes them, and every token's K/V and
+    GDN states cached all the same (the last layer skips only what nothing reads)."""
+    full_cache, rows_cache = junk_cache(model, 5), junk_cache(model, 5)
+    full, rows_only = FusedTrunk(model, full_cache), FusedTrunk(model, rows_cache)
+    g = torch.Generator().manual_seed(6)
+    steps = [
+        # prompts whose last tokens sample (the runner's rows), one of them over several 16-token work items
+        ([(20, 0), (37, 0), (5, 0)], [19, 56, 61]),
+        # a continued chunk that samples nothing next to a decode; runs of wanted tokens, not only last ones
+        ([(18, 20), (1, 37)], [3, 4, 5, 9, 18]),
+        # mid-prompt chunks only: no row at all
+        ([(6, 38), (4, 5)], []),
+        # decodes and a prompt tail
+        ([(1, 44), (1, 37), (3, 9)], [0, 1, 4]),
+    ]
+    for lens, rows in steps:
+        ids = torch.randint(0, model.config.vocab_size, (sum(q for q, _ in lens),), generator=g)
+        expected = full(ids, context(full_cache, lens))
+        got = rows_only(ids, context(rows_cache, lens), torch.tensor(rows, dtype=torch.long))
+        assert got.shape == (len(rows), model.config.hidden_size)
+        torch.testing.assert_close(got, expected[rows], atol=1e-5, rtol=1e-5)
+        assert_caches_equal(full_cache, rows_cache)
+    with pytest.raises(RuntimeError, match="output_rows must ascend"):
+        rows_only(ids, context(rows_cache, lens), torch.tensor([1, 0], dtype=torch.long))
+
 @torch.inference_mode()
 def test_fused_commit_of_verified_states_matches_the_python_commit(model) -> None:
     from deltaserve.engine.spec_decode import SpecDecoder

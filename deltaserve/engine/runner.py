@@ -111,10 +111,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         input_ids, ctx = self.build_context(sched)
-        if self.fused is not None and self.fused.eligible(ctx):
-            hidden = self.fused(input_ids, ctx)  # [T, H], the same maths in one C++ call
-        else:
-            hidden = self.model(input_ids, ctx)
         rows, states, request_ids = [], [], []
         verify_seqs, verify_reqs = [], []
         for b, s in enumerate(sched.scheduled):
@@ -125,6 +121,17 @@ class ModelRunner:
                 rows.append(ctx.query_start_loc[b + 1] - 1)
                 states.append(s.request.sampling)
                 request_ids.append(s.request.request_id)
+        row_index = torch.tensor(rows, dtype=torch.long)
+        if self.fused is not None and self.fused.eligible(ctx):
+            if self.spec is None and len(rows) < len(input_ids):
+                # Only the sampled rows' hidden states are read (without speculation, whose MTP pass and
+                # verify read every row): the last layer skips the rest of its work for the others.
+                hidden = self.fused(input_ids, ctx, row_index)  # [len(rows), H]
+                row_index = torch.arange(len(rows))
+            else:
+                hidden = self.fused(input_ids, ctx)  # [T, H], the same maths in one C++ call
+        else:
+            hidden = self.model(input_ids, ctx)
         if self.spec is not None:
             self._last = (hidden, ctx)  # propose() drafts from them once the engine has the new tokens
         verified: dict[str, VerifyResult] = {}
@@ -134,7 +141,6 @@ class ModelRunner:
             verified = {r.request_id: v for r, v in zip(verify_reqs, results, strict=True)}
         if not rows:
             return ModelRunnerOutput([], None, verified)
-        row_index = torch.tensor(rows, dtype=torch.long)
         tokens = self.head.plain_argmax(hidden, row_index, states, self.sampler)
         if tokens is not None:  # the argmax the sampler would take, without the logits
             return ModelRunnerOutput(request_ids, SamplerOutput(tokens, [None] * len(tokens)), verified)

@@ -100,6 +100,9 @@ def _layer_tensors(layer: torch.nn.Module, cache: CacheTensors) -> list[torch.Te
     ]
 
 
+_NO_HIDDEN = torch.empty(0)  # the trunk's forward takes no hidden input
+
+
 class _FusedStack:
     """Python side of the C++ FusedStack: builds its tensor list, runs it on a ForwardContext."""
 
@@ -144,7 +147,10 @@ class _FusedStack:
     def eligible(ctx: ForwardContext) -> bool:
         return ctx.cache is not None and ctx.trace is None and ctx.positions.dim() == 1
 
-    def _run(self, input_ids: torch.Tensor, ctx: ForwardContext, hidden_in: torch.Tensor) -> torch.Tensor:
+    def _run(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, hidden_in: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         spec_index = torch.full((ctx.num_seqs,), -1, dtype=torch.long)
         if ctx.spec_seqs:
             spec_index[ctx.spec_seqs] = torch.arange(len(ctx.spec_seqs))
@@ -152,7 +158,7 @@ class _FusedStack:
         hidden, conv_states, ssm_states = self._impl.forward(
             input_ids, ctx.positions, torch.tensor(ctx.query_start_loc, dtype=torch.long),
             torch.tensor(ctx.context_lens, dtype=torch.long), ctx.block_tables, ctx.slot_mapping,
-            ctx.state_slots, spec_index, len(ctx.spec_seqs), width, hidden_in,
+            ctx.state_slots, spec_index, len(ctx.spec_seqs), width, hidden_in, output_rows,
         )
         for layer_id, conv, ssm in zip(self.gdn_layer_ids, conv_states, ssm_states):
             ctx.spec_states[layer_id] = (conv, ssm)
@@ -200,10 +206,16 @@ class FusedTrunk(_FusedStack):
     def greedy_screen(self, on: bool) -> None:
         self._impl.set_greedy_screen(on)
 
-    def __call__(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, output_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Final-normed hidden states [T, H], like the model's forward; verify segments' per-position
-        GDN states go to ctx.spec_states in the layout GatedDeltaNet._verify leaves there."""
-        return self._run(input_ids, ctx, _NO_HIDDEN)
+        GDN states go to ctx.spec_states in the layout GatedDeltaNet._verify leaves there.
+
+        With output_rows (int64 [R], ascending), only those rows come back, [R, H]: the last layer still
+        caches every token's K/V or GDN state but skips the rest of its work for the others (for a prompt
+        chunk, all but its last token), which nothing downstream reads."""
+        return self._run(input_ids, ctx, _NO_HIDDEN, output_rows)
 
 
 class FusedMTP(_FusedStack):
@@ -226,5 +238,3 @@ class FusedMTP(_FusedStack):
         layer in mtp_hidden, and with one layer there is nothing to pick."""
         return self._run(next_token_ids, ctx, hidden)
 
-
-_NO_HIDDEN = torch.empty(0)

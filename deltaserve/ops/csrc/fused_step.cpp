@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -705,6 +706,7 @@ struct GdnWeights {
 
 struct AttnWeights {
   Linear qkv_w;                 // [2*nh*hd + 2*nkv*hd, hidden]: rows of q_proj | k_proj | v_proj
+  Linear kv_w;                  // its k_proj | v_proj rows alone, when its panels split there (else empty)
   at::Tensor q_scale, k_scale;  // [hd] = 1 + q_norm / k_norm weight
   Linear o_w;                   // [hidden, nh*hd]
   at::Tensor k_cache;           // [blocks, nkv, hd, block_size]: keys transposed within a block
@@ -726,6 +728,14 @@ struct Batch {
   const int64_t *positions, *qsl, *context_lens, *block_tables, *slot_mapping, *state_slots, *spec_index;
   int64_t table_width;
   int64_t spec_rows, spec_width;
+};
+
+// The tokens whose final hidden state a step hands back (the rows it samples), when not all of them: the
+// last layer still writes every token's K/V or GDN state, but attends, projects out and runs its MLP only
+// for these rows. Nothing after the last layer reads the other rows.
+struct OutputRows {
+  at::Tensor rows;          // int64 [R], ascending
+  std::vector<char> wanted;  // [T]: whether token t is one of them
 };
 
 // A stack of decoder layers between an input and a final norm: the trunk (input: token embeddings), or the
@@ -785,6 +795,13 @@ class FusedStack {
         l.g.ssm_cache = next();
       } else {
         l.a.qkv_w = linear();
+        const int64_t q_width = 2 * d_.nh * d_.hd;
+        if (l.a.qkv_w.panels.defined() && q_width % kPanel == 0) {
+          const at::Tensor& w = l.a.qkv_w.w;
+          const at::Tensor& panels = l.a.qkv_w.panels;
+          l.a.kv_w = {w.narrow(0, q_width, w.size(0) - q_width),
+                      panels.narrow(0, q_width / kPanel, panels.size(0) - q_width / kPanel)};
+        }
         l.a.q_scale = next();
         l.a.k_scale = next();
         l.a.o_w = linear();
@@ -800,14 +817,14 @@ class FusedStack {
     }
   }
 
-  // Returns the final-normed hidden states [T, hidden] and, per GDN layer, the per-position conv
-  // [S, L, conv_dim, kernel-1] and recurrent [S, L, hv, dk, dv] states of the verify segments (empty
-  // lists when spec_rows == 0).
+  // Returns the final-normed hidden states [T, hidden] (with output_rows, [R, hidden] of those rows only: see
+  // OutputRows) and, per GDN layer, the per-position conv [S, L, conv_dim, kernel-1] and recurrent
+  // [S, L, hv, dk, dv] states of the verify segments (empty lists when spec_rows == 0).
   std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> forward(
       const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& qsl,
       const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& slot_mapping,
       const at::Tensor& state_slots, const at::Tensor& spec_index, int64_t spec_rows, int64_t spec_width,
-      const at::Tensor& hidden_in) {
+      const at::Tensor& hidden_in, const std::optional<at::Tensor>& output_rows) {
     for (const at::Tensor* t : {&input_ids, &positions, &qsl, &context_lens, &block_tables, &slot_mapping,
                                 &state_slots, &spec_index}) {
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "FusedStack: index tensors are int64");
@@ -818,6 +835,20 @@ class FusedStack {
              spec_index.data_ptr<int64_t>(), block_tables.size(1), spec_rows, spec_width};
     TORCH_CHECK(positions.dim() == 1, "FusedStack: text positions only ([T])");
     check_batch(bt);
+    const bool select = output_rows.has_value() && output_rows->numel() < bt.T;
+    OutputRows out;
+    if (select) {
+      TORCH_CHECK(output_rows->dim() == 1 && output_rows->scalar_type() == at::kLong && output_rows->is_contiguous(),
+                  "FusedStack: output_rows is int64 [R]");
+      out.rows = *output_rows;
+      out.wanted.assign(bt.T, 0);
+      const int64_t* rp = output_rows->data_ptr<int64_t>();
+      for (int64_t r = 0; r < output_rows->numel(); ++r) {
+        TORCH_CHECK(rp[r] >= 0 && rp[r] < bt.T && (r == 0 || rp[r] > rp[r - 1]),
+                    "FusedStack: output_rows must ascend within [0, ", bt.T, ")");
+        out.wanted[rp[r]] = 1;
+      }
+    }
     Timed whole(slot(kForward));
 
     // cos/sin [T, half] from positions * inv_freq, as RotaryEmbedding.cos_sin computes them.
@@ -842,6 +873,7 @@ class FusedStack {
       x = project(fc_, both);
     }
     for (Layer& l : layers_) {
+      const OutputRows* only = select && &l == &layers_.back() ? &out : nullptr;
       at::Tensor h = rms_norm_rows(x, l.in_scale, d_.eps);
       at::Tensor mix;
       if (l.gdn) {
@@ -852,17 +884,18 @@ class FusedStack {
           spec_conv.push_back(conv_states);
           spec_ssm.push_back(ssm_states);
         }
-        mix = gdn(l.g, h, bt, conv_states, ssm_states);
+        mix = gdn(l.g, h, bt, conv_states, ssm_states, only);
       } else {
-        mix = attention(l.a, h, bt, cos.data(), sin.data());
+        mix = attention(l.a, h, bt, cos.data(), sin.data(), only);
       }
+      if (only != nullptr) x = x.index_select(0, only->rows);
       x.add_(mix);
-      at::Tensor gu = project(l.gate_up_w, rms_norm_rows(x, l.post_scale, d_.eps));  // [T, 2I]
-      const int64_t I = d_.intermediate;
-      at::Tensor act = at::empty({bt.T, I}, x.options());
+      at::Tensor gu = project(l.gate_up_w, rms_norm_rows(x, l.post_scale, d_.eps));  // [rows, 2I]
+      const int64_t I = d_.intermediate, rows = x.size(0);
+      at::Tensor act = at::empty({rows, I}, x.options());
       const float* gp = gu.data_ptr<float>();
       float* ap = act.data_ptr<float>();
-      for (int64_t t = 0; t < bt.T; ++t) {
+      for (int64_t t = 0; t < rows; ++t) {
 #pragma omp simd
         for (int64_t j = 0; j < I; ++j) ap[t * I + j] = silu(gp[t * 2 * I + j]) * gp[t * 2 * I + I + j];
       }
@@ -989,7 +1022,7 @@ class FusedStack {
   }
 
   at::Tensor gdn(const GdnWeights& w, const at::Tensor& h, const Batch& bt, at::Tensor& spec_conv,
-                 at::Tensor& spec_ssm) {
+                 at::Tensor& spec_ssm, const OutputRows* only) {
     const int64_t C = d_.conv_dim, K = d_.kernel, Hv = d_.hv, dk = d_.dk, dv = d_.dv;
     const int64_t key_dim = d_.hk * dk, value_dim = Hv * dv, rep = Hv / d_.hk;
     const int64_t width = C + value_dim + 2 * Hv;  // qkv | z | b | a
@@ -1118,15 +1151,22 @@ class FusedStack {
         }
       });
     }
-    return project(w.out_w, core);
+    return project(w.out_w, only != nullptr ? core.index_select(0, only->rows) : core);
   }
 
   at::Tensor attention(const AttnWeights& w, const at::Tensor& h, const Batch& bt, const float* cos,
-                       const float* sin) {
+                       const float* sin, const OutputRows* only) {
     const int64_t nh = d_.nh, nkv = d_.nkv, hd = d_.hd, half = d_.rotary_dim / 2;
     const int64_t q_width = 2 * nh * hd, width = q_width + 2 * nkv * hd, group = nh / nkv;
     const int64_t block_size = w.v_cache.size(1), row_size = nkv * hd;
-    at::Tensor proj = project(w.qkv_w, h);  // [T, width]: per head q | gate, then k, then v
+    at::Tensor proj;  // [T, width]: per head q | gate, then k, then v
+    if (only != nullptr && w.kv_w.w.defined()) {  // q | gate only for the wanted rows (the others' stay unset)
+      proj = at::empty({bt.T, width}, h.options());
+      proj.narrow(1, q_width, width - q_width).copy_(project(w.kv_w, h));
+      proj.index_copy_(0, only->rows, project(w.qkv_w, h.index_select(0, only->rows)));
+    } else {
+      proj = project(w.qkv_w, h);
+    }
     float* pp = proj.data_ptr<float>();
     const float* qs = w.q_scale.data_ptr<float>();
     const float* ks = w.k_scale.data_ptr<float>();
@@ -1136,10 +1176,11 @@ class FusedStack {
     at::Tensor attn = at::empty({bt.T, nh * hd}, h.options());
     {
       Timed timed(slot(kAttention));
+      auto wanted = [&](int64_t t) { return only == nullptr || only->wanted[t] != 0; };
       // 1. q/k RMSNorm and RoPE, K/V into the cache (every token's, before any token reads them)
       for (int64_t t = 0; t < bt.T; ++t) {
         float* row = pp + t * width;
-        for (int64_t hh = 0; hh < nh; ++hh) {
+        for (int64_t hh = 0; hh < nh && wanted(t); ++hh) {
           float* q = row + hh * 2 * hd;
           rms_norm_row(q, qs, d_.eps, hd, q);
           rope_head(q, cos + t * half, sin + t * half, half);
@@ -1169,12 +1210,23 @@ class FusedStack {
         const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
         if (n == 0) continue;
         const int64_t L = bt.positions[t0 + n - 1] + 1;
-        if (n > kItemTokens && L * kv_bytes_per_position > loop_kv_bytes_) {
+        // (with output rows, the loop: a chunk has one sampled token, not a block of queries)
+        if (only == nullptr && n > kItemTokens && L * kv_bytes_per_position > loop_kv_bytes_) {
           fused_attention(w, proj, attn, bt, b, L, scale);
           continue;
         }
-        for (int64_t t = t0; t < t0 + n; t += kItemTokens) items.push_back({b, t, std::min(t0 + n, t + kItemTokens)});
-        loop_work += n * L * nh * hd * 2;
+        // runs of up to kItemTokens wanted tokens
+        for (int64_t t = t0; t < t0 + n;) {
+          if (!wanted(t)) {
+            ++t;
+            continue;
+          }
+          int64_t end = t + 1;
+          while (end < std::min(t0 + n, t + kItemTokens) && wanted(end)) ++end;
+          items.push_back({b, t, end});
+          loop_work += (end - t) * L * nh * hd * 2;
+          t = end;
+        }
       }
       // Block i of those token t (of items[k]) attends to, counting on past its last one into the blocks of
       // the next sequence below items[k_end] (later tokens of t's sequence read the same, cached, blocks):
@@ -1234,7 +1286,7 @@ class FusedStack {
       });
       // output gate: attn * sigmoid(gate), the gate being the second half of each head's q_proj rows
       for (int64_t t = 0; t < bt.T; ++t) {
-        for (int64_t hh = 0; hh < nh; ++hh) {
+        for (int64_t hh = 0; hh < nh && wanted(t); ++hh) {
           float* o = ap + (t * nh + hh) * hd;
           const float* gate = pp + t * width + hh * 2 * hd + hd;
 #pragma omp simd
@@ -1242,7 +1294,7 @@ class FusedStack {
         }
       }
     }
-    return project(w.o_w, attn);
+    return project(w.o_w, only != nullptr ? attn.index_select(0, only->rows) : attn);
   }
 
   // Attention of sequence b's query tokens (the last n of its L positions) through torch's fused kernel,
