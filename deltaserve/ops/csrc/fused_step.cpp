@@ -395,7 +395,7 @@ void panel_rows(const float* x, int64_t K, const uint16_t* panel, float* y, int6
 // Rows of x processed against every panel before the next rows: 96 rows of K <= 1024 floats stay in L2
 // while the panels stream past them (a 2048-row prompt chunk otherwise re-reads x from L3 for each panel).
 constexpr int64_t kRowBlock = 96;
-constexpr int64_t kStreamBytes = 4 << 20;
+constexpr int64_t kStreamBytes = 2 << 20;
 
 // torch.argmax's order: the larger wins, a NaN beats every number, and of equals the first stays.
 inline bool beats(float v, float current) { return v > current || (v != v && current == current); }
@@ -455,8 +455,9 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
   const float* xp = x.data_ptr<float>();
   float* yp = argmax == nullptr ? y.data_ptr<float>() : nullptr;
   // An output past kStreamBytes (a long prompt chunk's) is written around the caches: a normal store first
-  // reads each line of y from memory, and y would push the row block and the panel out of L2. 3-5% on the
-  // 60M benchmark model's 2048-row projections with outputs of 12 MB and more.
+  // reads each line of y from memory, and y would push the row block and the panel out of L2. On the 60M
+  // benchmark model's 2048-row projections: 3-5% with outputs of 12 MB and more, 2-4% with the 4 MB of the
+  // 512-wide ones. A decode step's outputs (64 rows x 3072 at most: 0.8 MB) stay in the caches.
   const bool stream = yp != nullptr && T * N * static_cast<int64_t>(sizeof(float)) > kStreamBytes && N % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(yp) % 64 == 0;
   for (int64_t r0 = 0; r0 < T; r0 += kRowBlock) {
