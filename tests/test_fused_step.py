@@ -106,7 +106,6 @@ def test_fused_steps_match_the_python_model(model, prompt_attention: str) -> Non
         assert_caches_equal(ref_cache, fused_cache)
 
 
-
 @torch.inference_mode()
 def test_fused_step_hands_back_only_the_rows_asked_for(model) -> None:
     """output_rows: the asked rows' hidden states as the full step computes them, and every token's K/V and
@@ -133,6 +132,7 @@ def test_fused_step_hands_back_only_the_rows_asked_for(model) -> None:
         assert_caches_equal(full_cache, rows_cache)
     with pytest.raises(RuntimeError, match="output_rows must ascend"):
         rows_only(ids, context(rows_cache, lens), torch.tensor([1, 0], dtype=torch.long))
+
 
 @torch.inference_mode()
 def test_fused_commit_of_verified_states_matches_the_python_commit(model) -> None:
