@@ -121,13 +121,14 @@ class ModelRunner:
                 rows.append(ctx.query_start_loc[b + 1] - 1)
                 states.append(s.request.sampling)
                 request_ids.append(s.request.request_id)
-        row_index = torch.tensor(rows, dtype=torch.long)
+        # None: every row samples (a decode-only step), and the heads take hidden as it is, without a copy
+        row_index = None if len(rows) == len(input_ids) else torch.tensor(rows, dtype=torch.long)
         if self.fused is not None and self.fused.eligible(ctx):
-            if self.spec is None and len(rows) < len(input_ids):
+            if self.spec is None and row_index is not None:
                 # Only the sampled rows' hidden states are read (without speculation, whose MTP pass and
                 # verify read every row): the last layer skips the rest of its work for the others.
-                hidden = self.fused(input_ids, ctx, row_index)  # [len(rows), H]
-                row_index = torch.arange(len(rows))
+                hidden = self.fused(input_ids, ctx, row_index)  # [len(rows), H], the rows in order
+                row_index = None
             else:
                 hidden = self.fused(input_ids, ctx)  # [T, H], the same maths in one C++ call
         else:
