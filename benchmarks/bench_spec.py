@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from report import TimedCalls, machine, timed_into, write_section  # noqa: E402
+from report import machine, timed_into, write_section  # noqa: E402
 
 from deltaserve import LLM, SamplingParams  # noqa: E402
 from deltaserve.assets import DEMO_DIR  # noqa: E402
@@ -92,10 +92,7 @@ def profile(llm: LLM, tokens: int, steps: int = 40) -> dict[str, float]:
     runner = engine.runner
     spent: dict[str, float] = defaultdict(float)
     timed = functools.partial(timed_into, spent)
-    if runner.fused is not None:  # the fused C++ step (the default) or the Python model
-        runner.fused = TimedCalls(runner.fused, spent, "trunk verify forward")
-    else:
-        runner.model.forward = timed("trunk verify forward", runner.model.forward)
+    runner.executor.forward = timed("trunk verify forward", runner.executor.forward)
     runner.spec.mtp_hidden = timed("MTP layer passes", runner.spec.mtp_hidden)
     runner.spec.verify = timed("verify: target logits, acceptance, state commit", runner.spec.verify)
     runner.propose = timed("MTP drafting total", runner.propose)
@@ -142,7 +139,7 @@ def kernel_costs(llm: LLM, k: int, context: int = 64, reps: int = 200) -> dict[s
     def trunk(n: int, verify: bool):
         ctx = runner.make_context([n], [context], ["cost"], [verify])
         ids = torch.arange(n) + 10
-        return lambda: runner.head.compute_logits(runner.fused(ids, ctx))
+        return lambda: runner.head.compute_logits(runner.executor.forward(ids, ctx))
 
     def draft():
         ctx = runner.make_context([1], [context], ["cost"])
@@ -264,7 +261,8 @@ def main() -> None:
     b1 = [r for r in rows if r.batch == 1 and r.k] or [r for r in rows if r.k]
     best_k = max(b1, key=lambda r: r.tok_s).k
     _, llm = run(args.model, best_k, 1, 8)
-    costs = {k: kernel_costs(llm, k) for k in range(1, args.max_k + 1)} if llm.engine.runner.fused else {}
+    fused = llm.engine.executor.name == "fused-cpu"
+    costs = {k: kernel_costs(llm, k) for k in range(1, args.max_k + 1)} if fused else {}
     prof = profile(llm, args.tokens)
     label = "embedded demo" if args.model is None else Path(args.model).name
     text = render(

@@ -43,7 +43,7 @@ def instrument(llm: LLM) -> dict[str, float]:
 
 def measure(llm: LLM, spent: dict[str, float], steps: int) -> dict[str, float]:
     """Mean milliseconds per step in each part over the next `steps` engine steps."""
-    engine, fused = llm.engine, llm.engine.runner.fused
+    engine, fused = llm.engine, llm.engine.executor.trunk
     spent.clear()
     fused.profile()
     fused.set_profiling(True)
@@ -137,7 +137,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     llm = LLM(model=args.model, max_num_seqs=64, max_model_len=4096, max_num_batched_tokens=2048,
               kv_cache_memory=1 << 30)
-    if llm.engine.runner.fused is None:
+    if llm.engine.executor.name != "fused-cpu":
         raise SystemExit("the fused step is not in use (enforce_eager, a non-fp32 model, or no compiler)")
     spent = instrument(llm)
     decode_case(llm, spent, 1, 16, steps=10)  # warm-up

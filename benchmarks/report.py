@@ -61,7 +61,7 @@ def timed_into(spent: dict[str, float], name: str, fn: Callable) -> Callable:
 
 class TimedCalls:
     """obj with its calls timed into spent[name]; its attributes (methods the engine also uses on it, such
-    as eligible or plain_greedy) pass through, so it can stand in for the engine's own object."""
+    as plain_greedy) pass through, so it can stand in for the engine's own object."""
 
     def __init__(self, obj, spent: dict[str, float], name: str) -> None:
         self._obj, self._call = obj, timed_into(spent, name, obj)

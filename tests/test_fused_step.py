@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from deltaserve.cache.tensors import allocate_cache
+from deltaserve.executor import TorchExecutor
+from deltaserve.executor.fused_cpu.stack import FusedMTP, FusedTrunk, _linear, supported
 from deltaserve.model.context import ForwardContext
-from deltaserve.model.fused import FusedMTP, FusedTrunk, _linear, supported
 from deltaserve.model.loader import load_model
 from deltaserve.ops.fused_ext import load_extension
 from tests.checkpoints import (
@@ -136,8 +137,6 @@ def test_fused_step_hands_back_only_the_rows_asked_for(model) -> None:
 
 @torch.inference_mode()
 def test_fused_commit_of_verified_states_matches_the_python_commit(model) -> None:
-    from deltaserve.engine.spec_decode import SpecDecoder
-
     ref_cache, fused_cache = junk_cache(model, 1), junk_cache(model, 1)
     fused = FusedTrunk(model, fused_cache)
     lens, verify = [(4, 6), (1, 3), (3, 9)], [True, False, True]
@@ -146,10 +145,8 @@ def test_fused_commit_of_verified_states_matches_the_python_commit(model) -> Non
     model(ids, ref_ctx)
     fused(ids, fused_ctx)
     accepted = [2, 0]  # the first verify segment keeps 3 positions, the second 1
-    SpecDecoder(ref_cache, None, None, 1, 0, None, None)._commit_gdn_states(ref_ctx, accepted)
-    SpecDecoder(fused_cache, None, None, 1, 0, None, None, fused.commit_verified)._commit_gdn_states(
-        fused_ctx, accepted)
-    assert not fused_ctx.spec_states
+    TorchExecutor(model, ref_cache).commit_verified(ref_ctx, accepted)
+    fused.commit_verified(fused_ctx, accepted)
     assert_caches_equal(ref_cache, fused_cache)
 
 
@@ -246,10 +243,10 @@ def test_engine_runs_the_fused_step_unless_enforce_eager(tmp_path) -> None:
         for eager in (True, False):
             llm = LLM(model=str(path), enforce_eager=eager, speculative_config=spec, max_num_batched_tokens=32,
                       max_model_len=256, kv_cache_memory=1 << 24)
-            runner = llm.engine.runner
-            assert (runner.fused is None) == eager
-            if spec is not None:  # the draft passes run fused too
-                assert (runner.spec.mtp_hidden == llm.engine.model.mtp_hidden) == eager
+            executor = llm.engine.executor
+            assert executor.name == ("torch" if eager else "fused-cpu")
+            if spec is not None and not eager:  # the draft passes run fused too
+                assert isinstance(executor._mtp, FusedMTP)
             outputs[spec is not None, eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert len({str(v) for v in outputs.values()}) == 1  # chunked prefill, decode and verify: all agree
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deltaserve.cache.tensors import allocate_cache
-from deltaserve.model.fused import FusedTrunk
+from deltaserve.executor.fused_cpu.stack import FusedTrunk
 from deltaserve.model.loader import load_model
 from tests.checkpoints import TINY, random_hf_model, save_causal_lm_layout
 

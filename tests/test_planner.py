@@ -170,7 +170,7 @@ def test_parameter_count_matches_transformers(shape: dict) -> None:
 def test_fp32_plan_of_a_bf16_checkpoint(tie: bool, mtp: bool, tmp_path: Path) -> None:
     """Computing a bf16 checkpoint in fp32 (the CPU default): weights count 4 bytes each, and the fused
     step's bf16 copies are the bytes its panels really take (plus the lm_head's copy for the screen)."""
-    import deltaserve.model.fused as fused
+    import deltaserve.executor.fused_cpu.stack as fused
     from deltaserve.model.loader import load_model
     from tests.checkpoints import random_hf_model, save_official_layout
 

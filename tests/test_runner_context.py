@@ -25,7 +25,7 @@ def test_make_context_matches_the_reference_context(monkeypatch, loop_tokens: in
     table = manager.block_tables["c"]
     assert table != list(range(table[0], table[0] + len(table)))
     cache = _BlockSize(4)
-    runner = ModelRunner(model=None, cache=cache, manager=manager, sampler=None, head=None)
+    runner = ModelRunner(executor=None, cache=cache, manager=manager, sampler=None, head=None)
     q_lens, c_lens, ids = [q for _, _, q in steps], [c for _, c, _ in steps], [r for r, _, _ in steps]
     got = runner.make_context(q_lens, c_lens, ids)
     want = ForwardContext.paged(

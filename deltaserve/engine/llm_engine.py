@@ -24,8 +24,8 @@ from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_params_for_vocab
 from deltaserve.engine.scheduler import DECODE, VERIFY, Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder
+from deltaserve.executor import make_executor
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
-from deltaserve.model.fused import FusedBuildError, FusedMTP, FusedTrunk, supported
 from deltaserve.model.loader import load_model
 from deltaserve.outputs import RequestOutput, SpecDecodeMetrics
 from deltaserve.sampling import SamplingParams
@@ -143,22 +143,16 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = sorted(eos)
         sampler = Sampler(self.eos_token_ids)
-        fused = self._fused_trunk()
-        # Logits of chosen rows: the fused step's projection when it is there (same maths).
-        head = LogitsHead(fused.logits, fused.greedy_tokens) if fused is not None else LogitsHead(
-            self.model.compute_logits
+        self.executor = make_executor(
+            self.model, self.cache_tensors, enforce_eager=config.enforce_eager, with_mtp=k > 0
         )
+        head = LogitsHead(self.executor.compute_logits, self.executor.greedy_tokens)
         spec = None
         self.spec_metrics: SpecDecodeMetrics | None = None
         if k:
-            mtp_hidden = self.model.mtp_hidden
-            if fused is not None and len(self.model.mtp.layers) == 1:
-                mtp_hidden = FusedMTP(self.model, self.cache_tensors)  # the draft passes in C++ too
-            commit = fused.commit_verified if fused is not None else None
-            spec = SpecDecoder(self.cache_tensors, self.cache, sampler, k, self.max_model_len, head, mtp_hidden,
-                               commit)
+            spec = SpecDecoder(self.executor, self.cache, sampler, k, self.max_model_len, head)
             self.spec_metrics = SpecDecodeMetrics(accepted_per_position=[0] * k)
-        self.runner = ModelRunner(self.model, self.cache_tensors, self.cache, sampler, head, spec, fused=fused)
+        self.runner = ModelRunner(self.executor, self.cache_tensors, self.cache, sampler, head, spec)
         self.groups: dict[str, RequestGroup] = {}
         self.requests: dict[str, Request] = {}
         self._aborted_outputs: list[RequestOutput] = []
@@ -168,20 +162,6 @@ class LLMEngine:
         self.last_schedule: SchedulerOutput | None = None
         # Called after every step with its SchedulerOutput (metrics, the inspector's step trace).
         self.step_listeners: list[Callable[[SchedulerOutput], None]] = []
-
-    def _fused_trunk(self) -> FusedTrunk | None:
-        """The C++ step for every cached forward, unless enforce_eager or the model cannot use it."""
-        if self.config.enforce_eager:
-            return None
-        reason = supported(self.model, self.cache_tensors)
-        if reason is not None:
-            log.info("steps run the Python model: %s (the fused step is float32 only)", reason)
-            return None
-        try:
-            return FusedTrunk(self.model, self.cache_tensors)
-        except FusedBuildError as e:
-            log.warning("%s; steps run the Python model instead", e)
-            return None
 
     def _model_path(self) -> Path:
         if self.config.model is not None:

@@ -13,10 +13,11 @@ from deltaserve.engine.sampler import Sampler, SequenceSamplingState
 
 @dataclass(slots=True)
 class LogitsHead:
-    # (hidden [N, H], rows or None) -> fp32 logits [R, V]: the model's compute_logits, or the fused step's
+    # (hidden [N, H], rows or None) -> fp32 logits [R, V]: the executor's compute_logits
     compute_logits: Callable[..., torch.Tensor]
-    # Same arguments -> compute_logits(...).argmax(-1) in one C++ call (FusedTrunk.greedy_tokens), or None
-    greedy_tokens: Callable[..., torch.Tensor] | None = None
+    # Same arguments -> compute_logits(...).argmax(-1): the executor's greedy_tokens (the fused one never
+    # builds the logits)
+    greedy_tokens: Callable[..., torch.Tensor]
 
     def plain_argmax(
         self, hidden: torch.Tensor, rows: torch.Tensor | None, states: Sequence[SequenceSamplingState],
@@ -24,6 +25,6 @@ class LogitsHead:
     ) -> list[int] | None:
         """The argmax token of each row's logits without building them in Python, when every row is plain
         greedy (the sampler's stages would leave its logits as they are); else None."""
-        if self.greedy_tokens is None or not sampler.plain_greedy(states):
+        if not sampler.plain_greedy(states):
             return None
         return self.greedy_tokens(hidden, rows).tolist()

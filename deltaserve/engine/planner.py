@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltaserve.config import ConfigError, ModelConfig, UnsupportedFeatureError
-from deltaserve.model.fused import PANEL
+from deltaserve.executor.fused_cpu.stack import PANEL
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,

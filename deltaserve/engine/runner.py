@@ -13,9 +13,8 @@ from deltaserve.engine.logits_head import LogitsHead
 from deltaserve.engine.sampler import Sampler, SamplerOutput
 from deltaserve.engine.scheduler import VERIFY, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder, VerifyResult
+from deltaserve.executor import Executor
 from deltaserve.model.context import CacheTensors, ForwardContext
-from deltaserve.model.decoder import Qwen3_5ForCausalLM
-from deltaserve.model.fused import FusedTrunk
 
 # Steps with at most this many tokens build positions and KV slots in a Python loop (measured at 32
 # tokens: 19 us against 50 us for the tensor ops, which win from about a hundred tokens on).
@@ -31,12 +30,11 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(
-        self, model: Qwen3_5ForCausalLM, cache: CacheTensors, manager: CacheManager, sampler: Sampler,
-        head: LogitsHead, spec: SpecDecoder | None = None, fused: FusedTrunk | None = None,
+        self, executor: Executor, cache: CacheTensors, manager: CacheManager, sampler: Sampler,
+        head: LogitsHead, spec: SpecDecoder | None = None,
     ) -> None:
-        """head: the model's lm_head, or the fused step's (same maths); fused: the fused trunk, if any."""
-        self.model = model
-        self.fused = fused
+        """head: the executor's lm_head (shared with the spec decoder)."""
+        self.executor = executor
         self.head = head
         self.cache = cache
         self.manager = manager
@@ -123,16 +121,13 @@ class ModelRunner:
                 request_ids.append(s.request.request_id)
         # None: every row samples (a decode-only step), and the heads take hidden as it is, without a copy
         row_index = None if len(rows) == len(input_ids) else torch.tensor(rows, dtype=torch.long)
-        if self.fused is not None and self.fused.eligible(ctx):
-            if self.spec is None and row_index is not None:
-                # Only the sampled rows' hidden states are read (without speculation, whose MTP pass and
-                # verify read every row): the last layer skips the rest of its work for the others.
-                hidden = self.fused(input_ids, ctx, row_index)  # [len(rows), H], the rows in order
-                row_index = None
-            else:
-                hidden = self.fused(input_ids, ctx)  # [T, H], the same maths in one C++ call
+        if self.spec is None and row_index is not None:
+            # Only the sampled rows' hidden states are read (without speculation, whose MTP pass and verify
+            # read every row): the fused step's last layer skips the rest of its work for the others.
+            hidden = self.executor.forward(input_ids, ctx, row_index)  # [len(rows), H], the rows in order
+            row_index = None
         else:
-            hidden = self.model(input_ids, ctx)
+            hidden = self.executor.forward(input_ids, ctx)  # [T, H]
         if self.spec is not None:
             self._last = (hidden, ctx)  # propose() drafts from them once the engine has the new tokens
         verified: dict[str, VerifyResult] = {}

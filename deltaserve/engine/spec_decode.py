@@ -25,7 +25,7 @@ at position t, i.e. after reading x_0..x_t):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +34,8 @@ from deltaserve.cache.manager import CacheManager
 from deltaserve.engine.logits_head import LogitsHead
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampler import Sampler, SequenceSamplingState, _sample
-from deltaserve.model.context import CacheTensors, ForwardContext
+from deltaserve.executor import Executor
+from deltaserve.model.context import ForwardContext
 
 
 @dataclass(slots=True)
@@ -66,20 +67,17 @@ def _uniform(generator: torch.Generator | None) -> float:
 
 class SpecDecoder:
     def __init__(
-        self, cache: CacheTensors, manager: CacheManager, sampler: Sampler, num_speculative_tokens: int,
-        max_model_len: int, head: LogitsHead, mtp_hidden: Callable[..., torch.Tensor],
-        commit: Callable[[ForwardContext, list[int]], None] | None = None,
+        self, executor: Executor, manager: CacheManager, sampler: Sampler, num_speculative_tokens: int,
+        max_model_len: int, head: LogitsHead,
     ) -> None:
-        """head and mtp_hidden are the model's own, or the fused step's (same signatures and maths); commit,
-        the fused step's FusedTrunk.commit_verified, does _commit_gdn_states' copies in one call."""
-        self.cache = cache
+        """executor: draft passes (mtp_hidden) and the verified GDN state commit; head: its lm_head."""
+        self.executor = executor
+        self.mtp_hidden = executor.mtp_hidden
         self.manager = manager
         self.sampler = sampler
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
         self.head = head
-        self.mtp_hidden = mtp_hidden
-        self.commit = commit
 
     # ---- verification -----------------------------------------------------------------------------------
     def verify(
@@ -157,16 +155,7 @@ class SpecDecoder:
     def _commit_gdn_states(self, ctx: ForwardContext, accepted: list[int]) -> None:
         if not ctx.spec_states:
             return
-        if self.commit is not None:
-            self.commit(ctx, accepted)
-        else:
-            slots = ctx.state_slots[ctx.spec_seqs]
-            pick = torch.tensor(accepted, dtype=torch.long)
-            rows = torch.arange(len(accepted))
-            for layer_id, (conv_states, ssm_states) in ctx.spec_states.items():
-                conv_cache, ssm_cache = self.cache.conv[layer_id], self.cache.ssm[layer_id]
-                conv_cache[slots] = conv_states[rows, pick].to(conv_cache.dtype)
-                ssm_cache[slots] = ssm_states[rows, pick].to(ssm_cache.dtype)
+        self.executor.commit_verified(ctx, accepted)
         ctx.spec_states.clear()  # the per-position states are large; drop them now
 
     # ---- drafting ---------------------------------------------------------------------------------------

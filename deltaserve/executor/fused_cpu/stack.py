@@ -1,15 +1,15 @@
 """The fused step: the whole forward of the trunk (FusedTrunk) or of the MTP head (FusedMTP) for one engine
-step as one C++ call (deltaserve/ops/csrc/fused_step.cpp), built on first use with the system C++ compiler and cached by
-torch. The Python model (deltaserve/model) is the reference; this removes the per-op overhead that dominates
-a small model's step on a CPU, and runs the GDN recurrence token by token in C++ (cheaper than the chunked
-form at these head sizes).
+step as one C++ call (deltaserve/ops/csrc), built on first use with the system C++ compiler and cached. The
+Python model (deltaserve/model) is the reference; this removes the per-op overhead that dominates a small
+model's step on a CPU, and runs the GDN recurrence token by token in C++ (cheaper than the chunked form at
+these head sizes).
 
-Used for fp32 weights and caches, text positions and no trace; anything else runs the Python model. The
-projections that read the same input are fused into one weight (GDN q|k|v|z|b|a, attention q|k|v, MLP
-gate|up); the modules' own weights become views into it, so memory is not doubled and both paths read the
-same numbers. Weights whose values are all bfloat16 numbers also keep a bf16 copy in panels (half a
-weight's fp32 bytes, +50% weight memory) that every projection streams instead of the fp32 weight. On CPUs
-with AVX512-BF16 such an lm_head keeps one more bf16 copy, in pairs along K, for greedy_tokens' screen.
+Used for fp32 weights and caches (make_executor checks supported()). The projections that read the same
+input are fused into one weight (GDN q|k|v|z|b|a, attention q|k|v, MLP gate|up); the modules' own weights
+become views into it, so memory is not doubled and both paths read the same numbers. Weights whose values
+are all bfloat16 numbers also keep a bf16 copy in panels (half a weight's fp32 bytes, +50% weight memory)
+that every projection streams instead of the fp32 weight. On CPUs with AVX512-BF16 such an lm_head keeps
+one more bf16 copy, in pairs along K, for greedy_tokens' screen.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from deltaserve.model.context import CacheTensors, ForwardContext
-from deltaserve.ops.fused_ext import FusedBuildError, load_extension
+from deltaserve.ops.fused_ext import load_extension
 
-__all__ = ["FusedBuildError", "FusedMTP", "FusedTrunk", "supported"]
+__all__ = ["FusedMTP", "FusedTrunk", "supported"]
 
 
 def _fuse_rows(modules_and_names: list[tuple[torch.nn.Module, str]]) -> torch.Tensor:
@@ -142,10 +142,6 @@ class _FusedStack:
     def profile(self) -> dict[str, float]:
         """Seconds per part since the last call (projections include the lm_head's logits)."""
         return dict(zip(self.PROFILE_PARTS, self._impl.profile(), strict=True))
-
-    @staticmethod
-    def eligible(ctx: ForwardContext) -> bool:
-        return ctx.cache is not None and ctx.trace is None and ctx.positions.dim() == 1
 
     def _run(
         self, input_ids: torch.Tensor, ctx: ForwardContext, hidden_in: torch.Tensor,

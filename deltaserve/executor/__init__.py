@@ -1,0 +1,8 @@
+"""Runs the model for one engine step, behind one interface (base.Executor), picked in one place
+(factory.make_executor): the torch reference executor or the fused CPU executor."""
+
+from deltaserve.executor.base import Executor
+from deltaserve.executor.factory import make_executor
+from deltaserve.executor.torch_executor import TorchExecutor
+
+__all__ = ["Executor", "TorchExecutor", "make_executor"]

@@ -1,0 +1,36 @@
+"""The one place that decides how steps run: the fused CPU executor where it can, the torch reference
+executor otherwise, and a log line that says which and why."""
+
+from __future__ import annotations
+
+import logging
+
+from deltaserve.executor.base import Executor
+from deltaserve.executor.torch_executor import TorchExecutor
+from deltaserve.model.context import CacheTensors
+from deltaserve.model.decoder import Qwen3_5ForCausalLM
+from deltaserve.ops.fused_ext import FusedBuildError
+
+log = logging.getLogger(__name__)
+
+
+def make_executor(
+    model: Qwen3_5ForCausalLM, cache: CacheTensors, *, enforce_eager: bool = False, with_mtp: bool = False
+) -> Executor:
+    """with_mtp: speculative decoding will call mtp_hidden."""
+    from deltaserve.executor.fused_cpu import FusedCPUExecutor, supported
+
+    if enforce_eager:
+        log.info("executor: torch (enforce_eager)")
+        return TorchExecutor(model, cache)
+    reason = supported(model, cache)
+    if reason is not None:
+        log.info("executor: torch, since %s (the fused step is float32 only)", reason)
+        return TorchExecutor(model, cache)
+    try:
+        executor = FusedCPUExecutor(model, cache, with_mtp=with_mtp)
+    except FusedBuildError as e:
+        log.warning("executor: torch, since %s; steps run the Python model, several times slower", e)
+        return TorchExecutor(model, cache)
+    log.info("executor: fused-cpu (one C++ call per step)")
+    return executor

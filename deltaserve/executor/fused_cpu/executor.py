@@ -1,0 +1,49 @@
+"""FusedCPUExecutor: the Executor interface over the C++ trunk and MTP head (stack.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from deltaserve.executor.base import Executor, Rows
+from deltaserve.executor.fused_cpu.stack import FusedMTP, FusedTrunk
+from deltaserve.model.context import CacheTensors, ForwardContext
+from deltaserve.model.decoder import Qwen3_5ForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+class FusedCPUExecutor(Executor):
+    name = "fused-cpu"
+
+    def __init__(self, model: Qwen3_5ForCausalLM, cache: CacheTensors, with_mtp: bool = False) -> None:
+        """with_mtp: build the MTP head's C++ stack too (speculative decoding drafts with it)."""
+        self.trunk = FusedTrunk(model, cache)
+        self._mtp = None
+        if with_mtp:
+            if len(model.mtp.layers) == 1:
+                self._mtp = FusedMTP(model, cache)
+            else:  # the C++ stack takes one MTP layer; more draft through the Python model's head
+                log.info("the MTP head has %d layers: its draft passes run the Python model",
+                         len(model.mtp.layers))
+                self._mtp = model.mtp_hidden
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, output_rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        return self.trunk(input_ids, ctx, output_rows)
+
+    def compute_logits(self, hidden: torch.Tensor, rows: Rows = None) -> torch.Tensor:
+        return self.trunk.logits(hidden, rows)
+
+    def greedy_tokens(self, hidden: torch.Tensor, rows: Rows = None) -> torch.Tensor:
+        return self.trunk.greedy_tokens(hidden, rows)
+
+    def mtp_hidden(self, next_token_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, step: int = 0
+                   ) -> torch.Tensor:
+        if self._mtp is None:
+            raise ValueError("this executor was built without the MTP head (with_mtp=False)")
+        return self._mtp(next_token_ids, hidden, ctx, step=step)
+
+    def commit_verified(self, ctx: ForwardContext, accepted: list[int]) -> None:
+        self.trunk.commit_verified(ctx, accepted)
