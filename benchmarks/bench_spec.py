@@ -95,7 +95,7 @@ def profile(llm: LLM, tokens: int, steps: int = 40) -> dict[str, float]:
     runner.executor.forward = timed("trunk verify forward", runner.executor.forward)
     runner.spec.mtp_hidden = timed("MTP layer passes", runner.spec.mtp_hidden)
     runner.spec.verify = timed("verify: target logits, acceptance, state commit", runner.spec.verify)
-    runner.propose = timed("MTP drafting total", runner.propose)
+    runner.spec.propose = timed("MTP drafting total", runner.spec.propose)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     engine.add_request("profile", PROMPTS[0], params)
     for _ in range(3):  # prefill and the first drafts

@@ -16,13 +16,14 @@ from deltaserve.cache.manager import CacheManager, CacheUsage
 from deltaserve.cache.tensors import allocate_cache
 from deltaserve.config import ModelConfig
 from deltaserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, EngineConfigError
-from deltaserve.engine.detokenizer import IncrementalDetokenizer, check_stop
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.logits_head import LogitsHead
+from deltaserve.engine.output_processor import OutputProcessor
 from deltaserve.engine.planner import gdn_state_bytes_per_seq, kv_bytes_per_block
 from deltaserve.engine.request import Request, RequestGroup, RequestStatus
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_params_for_vocab
-from deltaserve.engine.scheduler import DECODE, VERIFY, Scheduler, SchedulerOutput
+from deltaserve.engine.scheduler import Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder
 from deltaserve.executor import make_executor
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
@@ -137,11 +138,14 @@ class LLMEngine:
             self.model_config, plan.num_blocks, config.block_size, plan.num_slots, kv_dtype, with_mtp=k > 0
         )
         self.cache = CacheManager(plan.num_blocks, config.block_size, plan.num_slots)
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = sorted(eos)
+        self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len)
+        self.scheduler = Scheduler(
+            self.cache, config.max_num_seqs, config.max_num_batched_tokens, self.output_processor, k
+        )
         sampler = Sampler(self.eos_token_ids)
         self.executor = make_executor(
             self.model, self.cache_tensors, enforce_eager=config.enforce_eager, with_mtp=k > 0
@@ -157,8 +161,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._aborted_outputs: list[RequestOutput] = []
         self.num_steps = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
         self.last_schedule: SchedulerOutput | None = None
         # Called after every step with its SchedulerOutput (metrics, the inspector's step trace).
         self.step_listeners: list[Callable[[SchedulerOutput], None]] = []
@@ -280,36 +282,13 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         self.num_steps += 1
-        result = self.runner.execute(sched)
-        for s in sched.scheduled:
-            if s.kind == VERIFY:
-                # The real token and the accepted drafts are in the cache; later rows are stale.
-                s.request.num_computed_tokens += 1 + result.verified[s.request.request_id].num_accepted
-                continue
-            s.request.num_computed_tokens += s.num_tokens
-            if s.kind != DECODE:
-                self.prompt_tokens += s.num_tokens
-        touched: dict[str, RequestGroup] = {}
-        now = time.monotonic()
-        for rid, v in result.verified.items():
+        out = self.runner.execute(sched)
+        for rid, v in out.verified.items():
             req = self.requests[rid]
             k = len(req.spec_metrics.accepted_per_position)
             req.spec_metrics.record(v.num_drafted, v.num_accepted, k)
             self.spec_metrics.record(v.num_drafted, v.num_accepted, k)
-            req.spec_token_ids, req.spec_draft_probs = [], []
-            # Stop conditions token by token: a request may finish inside an accepted run.
-            for token, lp in zip(v.token_ids, v.logprobs, strict=True):
-                self._append_token(req, token, lp, now)
-                if req.is_finished:
-                    break
-            touched[req.group.request_id] = req.group
-        if result.sampled is not None:
-            for rid, token, lp in zip(
-                result.request_ids, result.sampled.token_ids, result.sampled.logprobs, strict=True
-            ):
-                req = self.requests[rid]
-                self._append_token(req, token, lp, now)
-                touched[req.group.request_id] = req.group
+        touched = {req.group.request_id: req.group for req in self.scheduler.update_from_output(sched, out)}
         for group in touched.values():
             if group.finished or not finished_only:
                 outputs.append(group.output())
@@ -317,42 +296,19 @@ class LLMEngine:
                 del self.groups[group.request_id]
                 for req in group.children:
                     self.requests.pop(req.request_id, None)
-        self.runner.propose(sched)  # drafts for the next step, now that the new tokens are known
         for listener in self.step_listeners:
             listener(sched)
         return outputs
 
-    def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> None:
-        self.generation_tokens += 1
-        req.output_token_ids.append(token)
-        m = req.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-        elif m.last_token_time is not None:
-            m.inter_token_latencies.append(now - m.last_token_time)
-        m.last_token_time = now
-        if req.logprobs is not None and logprobs is not None:
-            req.logprobs.append(logprobs)
-            req.cumulative_logprob = (req.cumulative_logprob or 0.0) + logprobs.get(token, 0.0)
-        delta_len = 0
-        if req.detokenizer is not None:
-            delta_len = len(req.detokenizer.add(token))
-            text = req.detokenizer.text
-        else:
-            text = ""
-        result = check_stop(text, delta_len, token, len(req.output_token_ids), req.params, self.eos_token_ids)
-        reason = result.finish_reason
-        req.text = result.text
-        if reason is None and req.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            if reason == "length" and req.detokenizer is not None:
-                req.detokenizer.flush()  # bytes held back for an unfinished character come out now
-                req.text = req.detokenizer.text
-            req.stop_reason = result.stop_reason
-            status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
-            self.scheduler.finish(req, status)
-            m.finished_time = now
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens run through the model as prompt/recompute chunks, all steps."""
+        return self.scheduler.prompt_tokens
+
+    @property
+    def generation_tokens(self) -> int:
+        """Tokens generated, all steps."""
+        return self.output_processor.generation_tokens
 
     def stats(self) -> EngineStats:
         return EngineStats(

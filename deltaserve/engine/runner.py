@@ -1,6 +1,7 @@
 """ModelRunner: turns one SchedulerOutput into one forward over a flat [T] batch, and samples only the
 rows that need a token (the last row of every request whose pending tokens all ran this step); with
-speculation, verify rows go to the SpecDecoder and propose() drafts for the next step."""
+speculation, verify rows go to the SpecDecoder, which then drafts for the next step. It keeps nothing
+between calls: everything a step yields is in its ModelRunnerOutput, which the scheduler applies."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from deltaserve.cache.manager import CacheManager
 from deltaserve.engine.logits_head import LogitsHead
 from deltaserve.engine.sampler import Sampler, SamplerOutput
 from deltaserve.engine.scheduler import VERIFY, SchedulerOutput
-from deltaserve.engine.spec_decode import SpecDecoder, VerifyResult
+from deltaserve.engine.spec_decode import DraftEntry, SpecDecoder, VerifyResult
 from deltaserve.executor import Executor
 from deltaserve.model.context import CacheTensors, ForwardContext
 
@@ -26,6 +27,8 @@ class ModelRunnerOutput:
     request_ids: list[str]  # the requests that got a token, in row order
     sampled: SamplerOutput | None
     verified: dict[str, VerifyResult] = field(default_factory=dict)  # speculating requests' tokens
+    # The next step's drafts per request: (token ids, the distribution each was drawn from or None)
+    drafts: dict[str, tuple[list[int], list]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -41,7 +44,6 @@ class ModelRunner:
         self.sampler = sampler
         self.block_size = manager.block_size
         self.spec = spec
-        self._last: tuple[torch.Tensor, ForwardContext] | None = None
 
     def build_context(self, sched: SchedulerOutput) -> tuple[torch.Tensor, ForwardContext]:
         """input_ids [T] and the paged context; a verify entry feeds its last sampled token and drafts."""
@@ -128,33 +130,44 @@ class ModelRunner:
             row_index = None
         else:
             hidden = self.executor.forward(input_ids, ctx)  # [T, H]
-        if self.spec is not None:
-            self._last = (hidden, ctx)  # propose() drafts from them once the engine has the new tokens
         verified: dict[str, VerifyResult] = {}
         if verify_seqs:
             assert self.spec is not None
             results = self.spec.verify(hidden, ctx, verify_seqs, verify_reqs)
             verified = {r.request_id: v for r, v in zip(verify_reqs, results, strict=True)}
-        if not rows:
-            return ModelRunnerOutput([], None, verified)
+        out = ModelRunnerOutput(request_ids, None, verified)
+        if rows:
+            out.sampled = self._sample(hidden, row_index, states)
+        if self.spec is not None:
+            out.drafts = self.spec.propose(hidden, ctx, self._draft_entries(sched, out), self.make_context)
+        return out
+
+    def _sample(self, hidden: torch.Tensor, row_index: torch.Tensor | None, states: list) -> SamplerOutput:
         tokens = self.head.plain_argmax(hidden, row_index, states, self.sampler)
         if tokens is not None:  # the argmax the sampler would take, without the logits
-            return ModelRunnerOutput(request_ids, SamplerOutput(tokens, [None] * len(tokens)), verified)
+            return SamplerOutput(tokens, [None] * len(tokens))
         logits = self.head.compute_logits(hidden, row_index)  # [N, V] fp32
-        return ModelRunnerOutput(request_ids, self.sampler(logits, states), verified)
+        return self.sampler(logits, states)
 
-    @torch.inference_mode()
-    def propose(self, sched: SchedulerOutput) -> None:
-        """MTP pass over this step's newly valid positions and the drafts for the next step (after the
-        engine appended the new tokens and advanced num_computed_tokens)."""
-        if self.spec is None or self._last is None:
-            return
-        hidden, ctx = self._last
-        self._last = None
-        entries = [
-            # A request that sampled this step has exactly that token pending; mid-prefill ones more.
-            (b, s.context_len, s.request, s.request.num_pending_tokens == 1)
-            for b, s in enumerate(sched.scheduled)
-            if not s.request.is_finished
-        ]
-        self.spec.propose(hidden, ctx, entries, self.make_context)
+    @staticmethod
+    def _draft_entries(sched: SchedulerOutput, out: ModelRunnerOutput) -> list[DraftEntry]:
+        """What the MTP pass needs of every scheduled request: the positions that became valid this step
+        and the tokens after them, including the ones this step emitted (not yet in the request)."""
+        sampled = {}
+        if out.sampled is not None:
+            sampled = dict(zip(out.request_ids, out.sampled.token_ids, strict=True))
+        entries = []
+        for b, s in enumerate(sched.scheduled):
+            req, c = s.request, s.context_len
+            v = out.verified.get(req.request_id)
+            if v is not None:  # the real token and the accepted drafts; then the correction or bonus
+                emitted = v.token_ids
+                entries.append(DraftEntry(b, c, 1 + v.num_accepted, emitted, req, emitted))
+            elif req.request_id in sampled:
+                emitted = [sampled[req.request_id]]
+                tokens = req.token_slice(c + 1, c + s.num_tokens) + emitted
+                entries.append(DraftEntry(b, c, s.num_tokens, tokens, req, emitted))
+            else:  # mid-prefill: the next prompt tokens are known, and nothing is drafted
+                tokens = req.token_slice(c + 1, c + s.num_tokens + 1)
+                entries.append(DraftEntry(b, c, s.num_tokens, tokens, req, None))
+        return entries

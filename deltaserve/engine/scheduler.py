@@ -5,6 +5,13 @@ requests go first: each gets what it still has to compute (one token when decodi
 its prompt is only partly in the cache). Then waiting requests are admitted in arrival order with as much
 of their prompt as the budget leaves, so prefill chunks and decode tokens share one forward.
 
+With speculative decoding, a request that samples this step also gets room for the k draft positions the
+MTP head will write after it (lookahead slots, as vLLM reserves them), when the pool has it without
+preempting anyone.
+
+The scheduler owns the requests' scheduling state: schedule() decides a step, update_from_output() applies
+its results (tokens, accepted drafts, the next drafts, computed-token counts, finishes).
+
 When the KV blocks run out, the newest running request is preempted: its blocks and state slot are freed,
 it goes back to the front of the queue, and later its prompt plus the tokens it already generated are
 recomputed. A request never fails for cache pressure (the engine checks that one max_model_len sequence
@@ -15,9 +22,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deltaserve.cache.manager import CacheManager
+from deltaserve.engine.output_processor import OutputProcessor
 from deltaserve.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from deltaserve.engine.runner import ModelRunnerOutput
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -59,13 +71,20 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, output: OutputProcessor,
+        num_lookahead_tokens: int = 0,
+    ) -> None:
+        """output: appends tokens and checks stops; num_lookahead_tokens: k with speculation, else 0."""
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.output = output
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the newest is preempted first
         self.num_preemptions = 0
+        self.prompt_tokens = 0  # tokens run through the model as prompt/recompute chunks, all steps
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -91,6 +110,7 @@ class Scheduler:
                 del req.spec_token_ids[drafts:], req.spec_draft_probs[drafts:]
                 n = 1 + drafts
             ok = True
+            self._reserve_lookahead(req, n, drafts)
             while not self.cache.allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -110,6 +130,7 @@ class Scheduler:
             n = min(req.num_pending_tokens, budget)
             if not self.cache.allocate(req.request_id, req.num_computed_tokens + n):
                 break
+            self._reserve_lookahead(req, n)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
@@ -118,6 +139,51 @@ class Scheduler:
             scheduled.append(self._entry(req, n))
             budget -= n
         return SchedulerOutput(scheduled, len(self.waiting), len(self.running), preempted)
+
+    def _reserve_lookahead(self, req: Request, n: int, drafts: int = 0) -> None:
+        """Room for the draft positions the MTP head writes after a step that samples (it drafts from the
+        last valid position t = c + n - 1 at most: positions up to t + k - 1), if the pool has it; with
+        less, the spec decoder drafts fewer tokens."""
+        k = self.num_lookahead_tokens
+        if k and req.num_computed_tokens + n - drafts == req.num_tokens:
+            self.cache.allocate(req.request_id, req.num_computed_tokens + n + k - 1)
+
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
+        """Apply a step's results: computed-token counts (a verify keeps its real token and the accepted
+        drafts), the new tokens with their stop checks (a request may finish inside an accepted run), and
+        the drafts for the next step. Returns the requests that got tokens."""
+        now = time.monotonic()
+        for s in sched.scheduled:
+            req = s.request
+            if s.kind == VERIFY:
+                # The real token and the accepted drafts are in the cache; later rows are stale.
+                req.num_computed_tokens += 1 + out.verified[req.request_id].num_accepted
+            else:
+                req.num_computed_tokens += s.num_tokens
+                if s.kind != DECODE:
+                    self.prompt_tokens += s.num_tokens
+            req.spec_token_ids, req.spec_draft_probs = out.drafts.get(req.request_id, ([], []))
+        emitted: list[tuple[str, list[int], list]] = [
+            (rid, v.token_ids, v.logprobs) for rid, v in out.verified.items()
+        ]
+        if out.sampled is not None:
+            emitted += [
+                (rid, [token], [lp])
+                for rid, token, lp in zip(out.request_ids, out.sampled.token_ids, out.sampled.logprobs, strict=True)
+            ]
+        by_id = {s.request.request_id: s.request for s in sched.scheduled}
+        touched = []
+        for rid, tokens, logprobs in emitted:
+            req = by_id[rid]
+            if req.is_finished:  # aborted between schedule() and now
+                continue
+            for token, lp in zip(tokens, logprobs, strict=True):
+                status = self.output.append(req, token, lp, now)
+                if status is not None:
+                    self.finish(req, status)
+                    break
+            touched.append(req)
+        return touched
 
     @staticmethod
     def _entry(req: Request, n: int, drafts: int = 0) -> ScheduledRequest:
@@ -141,6 +207,7 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Retire req (stopped, length or aborted) from wherever it is and free its cache."""
         req.status = status
+        req.spec_token_ids, req.spec_draft_probs = [], []
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

@@ -39,6 +39,22 @@ from deltaserve.model.context import ForwardContext
 
 
 @dataclass(slots=True)
+class DraftEntry:
+    """One scheduled request as the MTP pass sees it after the step, before the scheduler applies it."""
+
+    seq: int  # its sequence index in the step's ForwardContext
+    context_len: int
+    num_valid: int  # positions context_len .. context_len + num_valid - 1 became valid this step
+    tokens: list[int]  # the token after each of them
+    request: Request
+    emitted: list[int] | None  # the tokens this step emits for it (to draft after), None if it drafts none
+
+    @property
+    def num_valid_after(self) -> int:
+        return self.context_len + self.num_valid
+
+
+@dataclass(slots=True)
 class VerifyResult:
     token_ids: list[int]  # accepted drafts, then the target's own token (correction or bonus)
     logprobs: list[dict[int, float] | None]
@@ -160,47 +176,44 @@ class SpecDecoder:
 
     # ---- drafting ---------------------------------------------------------------------------------------
     def propose(
-        self, hidden: torch.Tensor, ctx: ForwardContext, entries: Sequence[tuple[int, int, Request, bool]],
-        make_context,
-    ) -> None:
-        """entries: (sequence index in ctx, context_len, request, drafts) for every scheduled request that
-        is still running. Runs MTP pass 1 over the positions that became valid this step (all of them,
-        so the MTP cache keeps up with the trunk), then k-1 draft passes for the requests that draft.
+        self, hidden: torch.Tensor, ctx: ForwardContext, entries: Sequence[DraftEntry], make_context,
+    ) -> dict[str, tuple[list[int], list]]:
+        """Runs MTP pass 1 over the positions that became valid this step (all of them, so the MTP cache
+        keeps up with the trunk), then k-1 draft passes for the requests that draft. Returns each drafting
+        request's drafts and the distributions they were drawn from (None for greedy ones).
         make_context(query_lens, context_lens, request_ids) builds a paged ForwardContext."""
         rows: list[int] = []
         tokens: list[int] = []
         qlens, clens, rids = [], [], []
-        for b, c, req, _ in entries:
-            n = req.num_computed_tokens - c
-            rows.extend(range(ctx.query_start_loc[b], ctx.query_start_loc[b] + n))
-            tokens.extend(req.token_slice(c + 1, c + n + 1))
-            qlens.append(n)
-            clens.append(c)
-            rids.append(req.request_id)
+        for e in entries:
+            start = ctx.query_start_loc[e.seq]
+            rows.extend(range(start, start + e.num_valid))
+            tokens.extend(e.tokens)
+            qlens.append(e.num_valid)
+            clens.append(e.context_len)
+            rids.append(e.request.request_id)
         if not rows:
-            return
+            return {}
         mctx = make_context(qlens, clens, rids)
         h = self.mtp_hidden(torch.tensor(tokens, dtype=torch.long), hidden[rows], mctx)  # [N, H]
 
-        drafters: list[Request] = []
+        drafters: list[DraftEntry] = []
         last_rows: list[int] = []
         budgets: list[int] = []
         end = 0
-        for (_, _, req, wants), n in zip(entries, qlens, strict=True):
-            end += n
-            if not wants:
+        for e in entries:
+            end += e.num_valid
+            if e.emitted is None:
                 continue
-            k = self._num_drafts(req)
+            k = self._num_drafts(e)
             if k > 0:
-                drafters.append(req)
+                drafters.append(e)
                 last_rows.append(end - 1)
                 budgets.append(k)
         if not drafters:
-            return
+            return {}
         h = h[last_rows]
-        for req in drafters:
-            req.spec_token_ids = []
-            req.spec_draft_probs = []
+        drafts: dict[str, tuple[list[int], list]] = {e.request.request_id: ([], []) for e in drafters}
         active = list(range(len(drafters)))  # drafters still drafting; h has one row per entry
         for j in range(self.k):
             if j > 0:
@@ -208,35 +221,37 @@ class SpecDecoder:
                 if not keep:
                     break
                 active = [active[p] for p in keep]
-                reqs = [drafters[i] for i in active]
+                ents = [drafters[i] for i in active]
                 # Pass j+1: the entry for position t+j (t = last valid position), fed the previous pass's
                 # hidden and draft; it attends to the MTP entries 0 .. t+j.
-                ctx_lens = [r.num_computed_tokens - 1 + j for r in reqs]
-                dctx = make_context([1] * len(reqs), ctx_lens, [r.request_id for r in reqs])
-                prev = torch.tensor([r.spec_token_ids[-1] for r in reqs], dtype=torch.long)
+                ctx_lens = [e.num_valid_after - 1 + j for e in ents]
+                dctx = make_context([1] * len(ents), ctx_lens, [e.request.request_id for e in ents])
+                prev = torch.tensor([drafts[e.request.request_id][0][-1] for e in ents], dtype=torch.long)
                 h = self.mtp_hidden(prev, h[keep], dctx, step=j)
-            self._sample_drafts([drafters[i] for i in active], h)
+            self._sample_drafts([drafters[i] for i in active], h, drafts)
+        return drafts
 
-    def _num_drafts(self, req: Request) -> int:
+    def _num_drafts(self, e: DraftEntry) -> int:
         """k, or fewer: no more than the request may still emit minus the target's own token, no position
-        at or past max_model_len, and draft passes only where blocks can be had."""
+        at or past max_model_len, and no draft position past the blocks the scheduler reserved."""
+        req = e.request
         k = self.k
         if req.params.max_tokens is not None:
-            k = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
-        k = min(k, self.max_model_len - req.num_tokens)
-        if k <= 0:
-            return 0
-        t = req.num_computed_tokens - 1  # the last valid position; draft pass j writes position t+j-1
-        if not self.manager.allocate(req.request_id, t + k):
-            have = len(self.manager.block_tables[req.request_id]) * self.manager.block_size
-            k = min(k, have - t)
-        return max(k, 0)
+            k = min(k, req.params.max_tokens - len(req.output_token_ids) - len(e.emitted) - 1)
+        k = min(k, self.max_model_len - req.num_tokens - len(e.emitted))
+        t = e.num_valid_after - 1  # the last valid position; draft pass j writes position t+j-1
+        have = len(self.manager.block_tables[req.request_id]) * self.manager.block_size
+        return max(min(k, have - t), 0)
 
-    def _sample_drafts(self, reqs: list[Request], hidden: torch.Tensor) -> None:
+    def _sample_drafts(
+        self, ents: list[DraftEntry], hidden: torch.Tensor, drafts: dict[str, tuple[list[int], list]]
+    ) -> None:
         """One draft token per request from the logits of its MTP hidden row, processed with the request's
         own parameters (so drafts resemble the target); sampled drafts keep the distribution they were
         drawn from."""
-        states = [_state_at(r.sampling, r.spec_token_ids) for r in reqs]
+        reqs = [e.request for e in ents]
+        mine = [drafts[r.request_id] for r in reqs]
+        states = [_state_at(r.sampling, e.emitted + d[0]) for r, e, d in zip(reqs, ents, mine, strict=True)]
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         random = [i for i, r in enumerate(reqs) if not r.params.greedy]
         tokens = self.head.plain_argmax(hidden, None, states, self.sampler)  # all plain greedy: no logits
@@ -244,12 +259,12 @@ class SpecDecoder:
             processed = self.sampler.process_logits(self.head.compute_logits(hidden), states)
             tokens = processed[greedy].argmax(dim=-1).tolist() if greedy else []
         for i, t in zip(greedy, tokens, strict=True):
-            reqs[i].spec_token_ids.append(t)
-            reqs[i].spec_draft_probs.append(None)
+            mine[i][0].append(t)
+            mine[i][1].append(None)
         if random:
             sub = [states[i] for i in random]
             probs = self.sampler.filtered_probs(processed[random], sub)
             drawn = _sample(probs, [s.generator for s in sub]).tolist()
             for r, i in enumerate(random):
-                reqs[i].spec_token_ids.append(drawn[r])
-                reqs[i].spec_draft_probs.append(probs[r])
+                mine[i][0].append(drawn[r])
+                mine[i][1].append(probs[r])
