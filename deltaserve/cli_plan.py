@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from deltaserve.cache.dtypes import DTYPE_BYTES, KV_CACHE_DTYPES
 from deltaserve.config import ModelConfig
 from deltaserve.engine.known_configs import KNOWN_CONFIGS, known_config
 
-# Kept here (equal to planner.KV_CACHE_DTYPES, a test holds them together) so that building the CLI parser
-# does not import torch; the planner is imported when the command runs.
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
+if TYPE_CHECKING:
+    from deltaserve.engine.planner import MemoryPlan
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "demo"
 
@@ -55,7 +56,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from deltaserve.engine.planner import format_plan, plan_memory
+    from deltaserve.engine.planner import plan_memory
 
     try:
         cfg, name = load_plan_config(args.model)
@@ -90,3 +91,82 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# ---- printing ------------------------------------------------------------------------------------------
+def format_bytes(n: int | float) -> str:
+    """Binary units, chosen so the number reads well: 4.00 KiB, 3.00 MiB, 50.12 GiB."""
+    n = float(n)
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_params(n: int) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.3f} B"
+    if n >= 1e6:
+        return f"{n / 1e6:.2f} M"
+    return f"{n:,}"
+
+
+def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
+    r = plan.rank
+    lines: list[str] = []
+    add = lines.append
+    title = f"Memory plan{' for ' + plan.model_name if plan.model_name else ''}"
+    add(title)
+    add("=" * len(title))
+    add(f"layers {plan.num_layers}: {plan.num_gdn_layers} GDN + {plan.num_attention_layers} attention"
+        f"{' (+ MTP layer with its own KV cache)' if plan.with_mtp else ''}")
+    add(f"tensor parallel {plan.tp}: per rank attention heads {r.attention_heads}, KV heads {r.kv_heads}, "
+        f"GDN heads {r.gdn_key_heads}k/{r.gdn_value_heads}v, MLP width {r.intermediate}, "
+        f"vocab rows {r.vocab}")
+    add(f"dtypes: model {plan.model_dtype}, weights {plan.weight_dtype}, KV cache {plan.kv_cache_dtype}, "
+        f"GDN recurrent state {plan.ssm_state_dtype}, conv state {plan.model_dtype}")
+    add(f"workload: {plan.max_num_seqs} sequences x {plan.max_model_len:,} tokens, "
+        f"block size {plan.block_size}")
+    add("")
+    add("Weights (per rank)")
+    w = max(len(p.name) for p in plan.weight_parts) if plan.weight_parts else 10
+    add(f"  {'part':<{w}}  {'count':>5}  {'params (model)':>14}  {'bytes each':>12}  {'bytes total':>12}")
+    for p in plan.weight_parts:
+        note = "" if p.included else "  (not loaded)"
+        add(f"  {p.name:<{w}}  {p.count:>5}  {format_params(p.total_params):>14}  "
+            f"{format_bytes(p.bytes_per_rank):>12}  {format_bytes(p.total_bytes_per_rank):>12}{note}")
+    add(f"  {'total loaded':<{w}}  {'':>5}  {'':>14}  {'':>12}  {format_bytes(plan.weight_bytes):>12}")
+    add(f"  parameters: text {format_params(plan.text_params)}, MTP {format_params(plan.mtp_params)}, "
+        f"vision {format_params(plan.vision_params)}")
+    if plan.fused_copy_bytes:
+        add(f"  fused step on a CPU: + {format_bytes(plan.fused_copy_bytes)} of bf16 copies (the projections "
+            "in panels, the lm_head twice)")
+    add("")
+    def row(label: str, value: int, note: str = "") -> None:
+        add(f"  {label:<24}{format_bytes(value):>12}{'   ' + note if note else ''}")
+
+    add("Attention KV cache (per rank)")
+    row("per token per layer", plan.kv_bytes_per_token_per_layer,
+        f"(2 x {r.kv_heads} KV heads x head_dim x {DTYPE_BYTES[plan.kv_cache_dtype]} B)")
+    row(f"per token, {plan.num_kv_cache_layers} layers", plan.kv_bytes_per_token)
+    row("per block", plan.kv_bytes_per_block)
+    row("per sequence", plan.kv_bytes_per_block * plan.blocks_per_seq, f"({plan.blocks_per_seq:,} blocks)")
+    row("all sequences", plan.kv_cache_bytes, f"({plan.num_kv_blocks:,} blocks)")
+    add("")
+    add("GDN state (per rank; fixed size, independent of sequence length)")
+    row("recurrent per layer", plan.gdn_recurrent_bytes_per_layer)
+    row("conv per layer", plan.gdn_conv_bytes_per_layer)
+    row(f"per sequence, {plan.num_gdn_layers} layers", plan.gdn_state_bytes_per_seq)
+    row("all sequences", plan.gdn_state_bytes, f"({plan.max_num_seqs} slots)")
+    add("")
+    copies = f" + fused copies {format_bytes(plan.fused_copy_bytes)}" if plan.fused_copy_bytes else ""
+    add(f"Total per rank            {format_bytes(plan.total_bytes):>12}   "
+        f"(weights {format_bytes(plan.weight_bytes)}{copies}, cache {format_bytes(plan.cache_bytes)}; "
+        "activations not included)")
+    if gpu_memory_bytes is not None:
+        free = gpu_memory_bytes - plan.weight_bytes - plan.gdn_state_bytes
+        blocks = max(0, free) // plan.kv_bytes_per_block if plan.kv_bytes_per_block else 0
+        add(f"With {format_bytes(gpu_memory_bytes)} per rank: {blocks:,} KV blocks fit after weights and "
+            f"{plan.max_num_seqs} GDN slots = {blocks * plan.block_size:,} cached tokens, "
+            f"{blocks // plan.blocks_per_seq if plan.blocks_per_seq else 0} sequences at full length")
+    return "\n".join(lines)

@@ -10,20 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltaserve.cache.tensors import allocate_cache
-from deltaserve.cli_plan import main as plan_main
-from deltaserve.config import ConfigError, ModelConfig
-from deltaserve.engine import planner
-from deltaserve.engine.known_configs import QWEN3_5_27B_CONFIG, QWEN3_5_27B_FP8_CONFIG, known_config
-from deltaserve.engine.planner import (
-    format_plan,
+from deltaserve.cache import dtypes
+from deltaserve.cache.sizing import (
     gdn_state_bytes_per_seq,
     kv_bytes_per_block,
     kv_bytes_per_token_per_layer,
     num_blocks_for,
-    plan_memory,
-    weight_parts,
 )
+from deltaserve.cache.tensors import allocate_cache
+from deltaserve.cli_plan import format_plan
+from deltaserve.cli_plan import main as plan_main
+from deltaserve.config import ConfigError, ModelConfig
+from deltaserve.engine.known_configs import QWEN3_5_27B_CONFIG, QWEN3_5_27B_FP8_CONFIG, known_config
+from deltaserve.engine.planner import plan_memory, weight_parts
 from tests.checkpoints import RATIOS_27B, TINY, hf_config, random_mtp_tensors
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -240,5 +239,18 @@ def test_cli_plan_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_module_exports() -> None:
     from deltaserve import cli_plan
 
-    assert cli_plan.KV_CACHE_DTYPES == planner.KV_CACHE_DTYPES
-    assert planner.dtype_bytes(torch.float8_e4m3fn) == 1 and planner.dtype_bytes("bf16") == 2
+    assert cli_plan.KV_CACHE_DTYPES is dtypes.KV_CACHE_DTYPES  # one table
+    assert dtypes.dtype_bytes(torch.float8_e4m3fn) == 1 and dtypes.dtype_bytes("bf16") == 2
+
+
+def test_weight_inventory_is_the_built_model() -> None:
+    """Every parameter of the model the engine builds is counted once, with its shape (no copied shapes)."""
+    from deltaserve.model.decoder import Qwen3_5ForCausalLM
+
+    cfg = small_config(TINY)
+    model = Qwen3_5ForCausalLM(cfg, with_mtp=True)
+    built = sum(p.numel() for p in model.parameters())  # tied weights once
+    parts = {p.name: p for p in weight_parts(cfg, with_mtp=True, include_vision=False)}
+    counted = sum(p.total_params for p in parts.values() if p.name != "vision tower")
+    assert counted == built
+    assert parts["GDN mixer"].count == len(cfg.gdn_layer_ids)

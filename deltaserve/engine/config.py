@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from deltaserve.cache.dtypes import engine_kv_cache_dtype
 from deltaserve.config import UnsupportedFeatureError
 
-DEFAULT_KV_CACHE_MEMORY = 256 * 1024**2
-KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
 
@@ -61,11 +60,10 @@ class EngineConfig:
             positive(name)
         if self.dtype not in DTYPES:
             raise EngineConfigError(f"dtype {self.dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise EngineConfigError(
-                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; "
-                f"accepted: {', '.join(KV_CACHE_DTYPES)}"
-            )
+        try:
+            engine_kv_cache_dtype(self.kv_cache_dtype)
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from None
         if self.enable_prefix_caching:
             raise UnsupportedFeatureError(
                 "enable_prefix_caching=True is not supported yet (GDN layers need 'align' state snapshots); "

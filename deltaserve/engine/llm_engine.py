@@ -13,13 +13,12 @@ from typing import Any
 import torch
 
 from deltaserve.cache.manager import CacheManager, CacheUsage
+from deltaserve.cache.sizing import CacheSizeError, plan_cache
 from deltaserve.cache.tensors import allocate_cache
-from deltaserve.config import ModelConfig
-from deltaserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, EngineConfigError
+from deltaserve.engine.config import EngineConfig, EngineConfigError
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.logits_head import LogitsHead
 from deltaserve.engine.output_processor import OutputProcessor
-from deltaserve.engine.planner import gdn_state_bytes_per_seq, kv_bytes_per_block
 from deltaserve.engine.request import Request, RequestGroup, RequestStatus
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_params_for_vocab
@@ -48,13 +47,6 @@ class PromptTooLongError(ValueError):
 
 
 @dataclass(slots=True)
-class CachePlan:
-    num_blocks: int
-    num_slots: int
-    max_model_len: int
-
-
-@dataclass(slots=True)
 class EngineStats:
     num_steps: int
     num_running: int
@@ -64,53 +56,6 @@ class EngineStats:
     prompt_tokens: int  # tokens run through the model as prompt/recompute chunks, all steps
     generation_tokens: int  # tokens sampled, all steps
     spec: SpecDecodeMetrics | None = None  # speculative decoding counters (None without speculation)
-
-
-def plan_cache(
-    cfg: ModelConfig, econf: EngineConfig, kv_dtype: torch.dtype, with_mtp: bool = False
-) -> CachePlan:
-    """Split kv_cache_memory between max_num_seqs GDN state slots and as many KV blocks as fit, no more
-    than max_num_seqs sequences of max_model_len could use. Raise if one max_model_len sequence does not
-    fit, since then a lone request could never complete."""
-    bs = econf.block_size
-    slots = econf.max_num_seqs
-    block_bytes = kv_bytes_per_block(cfg, bs, kv_dtype, with_mtp)
-    slot_bytes = gdn_state_bytes_per_seq(
-        cfg, kv_dtype, ssm_dtype=torch.float32
-    )  # allocate_cache keeps it fp32
-    memory = econf.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-    if econf.num_kv_blocks is not None:
-        available = econf.num_kv_blocks
-    else:
-        if slots * slot_bytes > memory:
-            raise EngineConfigError(
-                f"kv_cache_memory={memory} bytes cannot hold the GDN states of max_num_seqs={slots} "
-                f"sequences ({slots * slot_bytes} bytes); raise kv_cache_memory or lower max_num_seqs"
-            )
-        available = (memory - slots * slot_bytes) // max(block_bytes, 1)
-    max_len = econf.max_model_len
-    if max_len is None:
-        # The model's own limit, shortened (with a warning) to what one sequence can hold in this cache.
-        max_len = min(cfg.max_position_embeddings, available * bs)
-        if max_len < cfg.max_position_embeddings:
-            log.warning(
-                "max_model_len set to %d (the cache holds no more); the model allows %d",
-                max_len,
-                cfg.max_position_embeddings,
-            )
-    elif max_len > cfg.max_position_embeddings:
-        raise EngineConfigError(
-            f"max_model_len={max_len} exceeds the model's max_position_embeddings "
-            f"({cfg.max_position_embeddings})"
-        )
-    per_seq = -(-max_len // bs)
-    if available < per_seq or max_len <= 0:
-        raise EngineConfigError(
-            f"the KV cache has {available} blocks of {bs} tokens but one sequence of max_model_len={max_len} "
-            f"needs {per_seq}; raise kv_cache_memory / num_kv_blocks or lower max_model_len"
-        )
-    blocks = available if econf.num_kv_blocks is not None else min(available, slots * per_seq)
-    return CachePlan(num_blocks=blocks, num_slots=slots, max_model_len=max_len)
 
 
 class LLMEngine:
@@ -132,7 +77,14 @@ class LLMEngine:
         self.model_config = self.model.config
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else TORCH_DTYPES[config.kv_cache_dtype]
-        plan = plan_cache(self.model_config, config, kv_dtype, with_mtp=k > 0)
+        try:
+            plan = plan_cache(
+                self.model_config, kv_dtype, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len, kv_cache_memory=config.kv_cache_memory,
+                num_kv_blocks=config.num_kv_blocks, with_mtp=k > 0,
+            )
+        except CacheSizeError as e:
+            raise EngineConfigError(str(e)) from None
         self.max_model_len = plan.max_model_len
         self.cache_tensors = allocate_cache(
             self.model_config, plan.num_blocks, config.block_size, plan.num_slots, kv_dtype, with_mtp=k > 0

@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
+from deltaserve.cli_plan import format_plan
 from deltaserve.config import ModelConfig
 from deltaserve.engine.known_configs import QWEN3_5_27B_CONFIG, QWEN3_5_27B_FP8_CONFIG
-from deltaserve.engine.planner import format_plan, plan_memory
+from deltaserve.engine.planner import plan_memory
 from deltaserve.inspect.trace import CONFIG, MEASURED
 
 

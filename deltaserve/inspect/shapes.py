@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from deltaserve.config import FULL_ATTENTION, ConfigError
-from deltaserve.engine.planner import rank_shape
 from deltaserve.inspect.trace import CONFIG, MEASURED, layer_kind
+from deltaserve.model.sharding import rank_shape
 
 
 def _dt(dtype: torch.dtype) -> str:
