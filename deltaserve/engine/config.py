@@ -33,7 +33,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     seed: int = 0
     # True: every step runs the Python model op by op. False: steps run the fused C++ step when the model
-    # and cache are float32 (deltaserve/model/fused.py; vLLM's name for "no graphs / compilation").
+    # and cache are float32 (deltaserve/executor; vLLM's name for "no graphs / compilation").
     enforce_eager: bool = False
 
     @property

@@ -3,6 +3,7 @@
 
 from deltaserve.executor.base import Executor
 from deltaserve.executor.factory import make_executor
+from deltaserve.executor.fused_cpu.memory import fused_copy_bytes
 from deltaserve.executor.torch_executor import TorchExecutor
 
-__all__ = ["Executor", "TorchExecutor", "make_executor"]
+__all__ = ["Executor", "TorchExecutor", "fused_copy_bytes", "make_executor"]
