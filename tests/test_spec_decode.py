@@ -307,3 +307,17 @@ def test_server_metrics_export_the_spec_counters(agreeable: Path) -> None:
     assert f'{name}_accepted_tokens_total{{model_name="m"}} {float(s.num_accepted_tokens)}' in text
     pos0 = float(s.accepted_per_position[0])
     assert f'{name}_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {pos0}' in text
+
+
+def test_accepted_drafts_share_their_step_time_in_inter_token_latencies(agreeable: Path) -> None:
+    """A verify step emits several tokens at once: their inter-token latencies split the time since the
+    request's last token evenly (no zero gaps), so they add up to the decode time."""
+    llm = LLM(model=str(agreeable), max_model_len=256, speculative_config=spec(3))
+    out = llm.generate(_prompts(6, seed=5), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                       use_tqdm=False)
+    assert llm.engine.stats().spec.num_accepted_tokens > 0
+    for o in out:
+        m = o.metrics
+        assert len(m.inter_token_latencies) == len(o.outputs[0].token_ids) - 1
+        assert min(m.inter_token_latencies) > 0
+        assert sum(m.inter_token_latencies) == pytest.approx(m.last_token_time - m.first_token_time, rel=1e-9)

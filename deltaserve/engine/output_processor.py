@@ -13,17 +13,37 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.generation_tokens = 0  # tokens appended, all steps
 
-    def append(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float
-               ) -> RequestStatus | None:
-        """Append token to req; the status req finishes with after it, or None while it goes on."""
-        self.generation_tokens += 1
-        req.output_token_ids.append(token)
+    def append_run(self, req: Request, tokens: list[int], logprobs: list[dict[int, float] | None], now: float
+                   ) -> RequestStatus | None:
+        """Append the tokens one step emitted for req (one, or a verify's accepted drafts and its own) until
+        one finishes it; the status it finishes with, or None while it goes on.
+
+        A step's tokens arrive together, so the time since the request's last token is shared evenly
+        between the ones appended: inter-token latencies then sum to the decode time, where giving each
+        token its arrival time would record the accepted drafts' gaps as zeros."""
         m = req.metrics
+        previous = m.last_token_time
+        status = None
+        appended = 0
+        for token, lp in zip(tokens, logprobs, strict=True):
+            appended += 1
+            status = self._append(req, token, lp, now)
+            if status is not None:
+                break
         if m.first_token_time is None:
             m.first_token_time = now
-        elif m.last_token_time is not None:
-            m.inter_token_latencies.append(now - m.last_token_time)
+            appended -= 1  # the first token's wait is the time to first token, not a gap
+        if previous is not None and appended:
+            m.inter_token_latencies.extend([(now - previous) / appended] * appended)
         m.last_token_time = now
+        if status is not None:
+            m.finished_time = now
+        return status
+
+    def _append(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float
+                ) -> RequestStatus | None:
+        self.generation_tokens += 1
+        req.output_token_ids.append(token)
         if req.logprobs is not None and logprobs is not None:
             req.logprobs.append(logprobs)
             req.cumulative_logprob = (req.cumulative_logprob or 0.0) + logprobs.get(token, 0.0)
@@ -44,5 +64,4 @@ class OutputProcessor:
             req.detokenizer.flush()  # bytes held back for an unfinished character come out now
             req.text = req.detokenizer.text
         req.stop_reason = result.stop_reason
-        m.finished_time = now
         return RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH

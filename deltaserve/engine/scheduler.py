@@ -177,11 +177,9 @@ class Scheduler:
             req = by_id[rid]
             if req.is_finished:  # aborted between schedule() and now
                 continue
-            for token, lp in zip(tokens, logprobs, strict=True):
-                status = self.output.append(req, token, lp, now)
-                if status is not None:
-                    self.finish(req, status)
-                    break
+            status = self.output.append_run(req, tokens, logprobs, now)
+            if status is not None:
+                self.finish(req, status)
             touched.append(req)
         return touched
 
