@@ -45,6 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, dest="num_threads",
+                   help="compute threads (default: $OMP_NUM_THREADS, else one per physical core)")
     p.add_argument(
         "--enforce-eager", action="store_true",
         help="run every step through the Python model op by op instead of the fused C++ step",
@@ -67,6 +69,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        num_threads=args.num_threads,
     )
 
 

@@ -32,6 +32,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
     seed: int = 0
+    # Compute threads of the kernels; None: OMP_NUM_THREADS, else one per physical core (engine/threads.py).
+    num_threads: int | None = None
     # True: every step runs the Python model op by op. False: steps run the fused C++ step when the model
     # and cache are float32 (deltaserve/executor; vLLM's name for "no graphs / compilation").
     enforce_eager: bool = False
@@ -56,6 +58,7 @@ class EngineConfig:
             "kv_cache_memory",
             "num_kv_blocks",
             "tensor_parallel_size",
+            "num_threads",
         ):
             positive(name)
         if self.dtype not in DTYPES:

@@ -33,6 +33,7 @@ class LLM:
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         enforce_eager: bool = False,
+        num_threads: int | None = None,
     ) -> None:
         self.config = EngineConfig(
             model=None if model is None else str(model),
@@ -49,6 +50,7 @@ class LLM:
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             enforce_eager=enforce_eager,
+            num_threads=num_threads,
         )
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()

@@ -24,6 +24,7 @@ from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_params_for_vocab
 from deltaserve.engine.scheduler import Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder
+from deltaserve.engine.threads import set_compute_threads
 from deltaserve.executor import make_executor
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 from deltaserve.model.loader import load_model
@@ -64,6 +65,7 @@ class LLMEngine:
     ) -> None:
         self.config = config
         torch.manual_seed(config.seed)  # unseeded random sampling draws from the global generator
+        set_compute_threads(config.num_threads)
         dtype = torch.float32 if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
         path = self._model_path()
         k = config.num_speculative_tokens
