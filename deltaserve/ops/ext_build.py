@@ -178,7 +178,7 @@ def _copy_sources(spec: ExtensionSpec, build_dir: Path) -> list[Path]:
 def _compile_error(e: Exception, build_dir: Path) -> BuildError:
     """The compiler's error lines (torch's message holds its whole output, which goes to a log file)."""
     text = str(e)
-    errors = [line.strip() for line in text.splitlines() if "error" in line.lower() and "Error building" not in line]
+    errors = [line.strip() for line in text.splitlines() if " error:" in line or line.startswith("error:")]
     summary = "; ".join(line[:300] for line in errors[:3]) or text.strip().splitlines()[-1][:300]
     log_path = build_dir / "build-error.log"
     try:
@@ -201,8 +201,9 @@ def load(spec: ExtensionSpec) -> ModuleType:
         if torch_lock.exists():  # only a build under our lock makes it: that build was killed
             torch_lock.unlink()
             log.warning("removed torch's lock %s, left by a build that ended midway", torch_lock)
-        done = build_dir / _DONE
-        compiling = not (done.exists() and (build_dir / f"{name}.so").exists())
+        done, so = build_dir / _DONE, build_dir / f"{name}.so"
+        compiling = not (done.exists() and so.exists())
+        built_at = None if compiling else so.stat().st_mtime_ns
         if compiling:
             log.warning("compiling %s (C++, once per source, flags, torch and compiler; %s) in %s", spec.name,
                         spec.compile_estimate, build_dir)
@@ -218,4 +219,7 @@ def load(spec: ExtensionSpec) -> ModuleType:
         if compiling:
             done.touch()
             log.warning("compiled %s in %.1f s", spec.name, time.monotonic() - start)
+        elif so.stat().st_mtime_ns != built_at:  # ninja found the build files out of date: say so, if late
+            log.warning("recompiled %s in %.1f s: its files in %s were out of date", spec.name,
+                        time.monotonic() - start, build_dir)
     return module

@@ -17,7 +17,9 @@ from deltaserve.ops.ext_build import load as build_and_load
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 # What a failed build costs, for its warning (docs/benchmarks.md: the fused step vs op-by-op torch models).
-FALLBACK_COST = "the Python model runs every step op by op instead, several times slower on a CPU (docs/benchmarks.md)"
+FALLBACK_COST = (
+    "the Python model runs every step op by op instead, several times slower on a CPU (see docs/benchmarks.md)"
+)
 
 _lock = threading.Lock()
 _modules: dict[bool, ModuleType] = {}
@@ -47,7 +49,7 @@ def load_extension(portable: bool = False) -> ModuleType:
         if portable in _modules:
             return _modules[portable]
         if portable in _failures:
-            raise FusedBuildError(f"{_failures[portable]} (failed earlier in this process; not retried)")
+            raise FusedBuildError(f"{_failures[portable]}. Not retried: it failed earlier in this process")
         try:
             _modules[portable] = build_and_load(extension_spec(portable))
         except Exception as e:  # no compiler, a compile error, an unwritable cache, ...: the caller falls back
