@@ -4,6 +4,8 @@ weights are fp32 (MKL projections) or exactly bf16 (the bf16 panel projections).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -44,6 +46,23 @@ def model(request, tmp_path_factory):
     return load_model(path, dtype="float32")
 
 
+@pytest.fixture(scope="module", params=["native", "portable"])
+def ext(request):
+    """Both builds of the C++ step: for this CPU (-march=native), and portable (-march=x86-64-v2, where the
+    sources' non-AVX-512 branches are compiled)."""
+    return load_extension(portable=request.param == "portable")
+
+
+def test_the_portable_build_runs_the_portable_branches(model) -> None:
+    """The portable build has no AVX-512, so no bf16 screen (AVX512-BF16 only) even on a CPU that has it;
+    the native build screens a bf16-valued lm_head on such a CPU."""
+    cache = allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1)
+    assert not FusedTrunk(model, cache, load_extension(portable=True)).greedy_screen
+    bf16_lm_head = torch.equal(model.lm_head.weight.bfloat16().float(), model.lm_head.weight)
+    cpu_has_bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    assert FusedTrunk(model, cache).greedy_screen == (bf16_lm_head and cpu_has_bf16)
+
+
 def junk_cache(model, seed: int):
     """A cache whose state slots hold garbage, as slots freed by earlier requests do."""
     cache = allocate_cache(model.config, num_blocks=64, block_size=BLOCK, num_slots=6)
@@ -72,9 +91,9 @@ def assert_caches_equal(a, b) -> None:
 
 @torch.inference_mode()
 @pytest.mark.parametrize("prompt_attention", ["loop", "torch-kernel"])
-def test_fused_steps_match_the_python_model(model, prompt_attention: str) -> None:
+def test_fused_steps_match_the_python_model(model, ext, prompt_attention: str) -> None:
     ref_cache, fused_cache = junk_cache(model, 0), junk_cache(model, 0)
-    fused = FusedTrunk(model, fused_cache)
+    fused = FusedTrunk(model, fused_cache, ext)
     if prompt_attention == "torch-kernel":  # chunks of more than 16 tokens, as when their K/V outgrow the caches
         fused.set_loop_kv_bytes(0)
     V = model.config.vocab_size
@@ -108,11 +127,11 @@ def test_fused_steps_match_the_python_model(model, prompt_attention: str) -> Non
 
 
 @torch.inference_mode()
-def test_fused_step_hands_back_only_the_rows_asked_for(model) -> None:
+def test_fused_step_hands_back_only_the_rows_asked_for(model, ext) -> None:
     """output_rows: the asked rows' hidden states as the full step computes them, and every token's K/V and
     GDN states cached all the same (the last layer skips only what nothing reads)."""
     full_cache, rows_cache = junk_cache(model, 5), junk_cache(model, 5)
-    full, rows_only = FusedTrunk(model, full_cache), FusedTrunk(model, rows_cache)
+    full, rows_only = FusedTrunk(model, full_cache, ext), FusedTrunk(model, rows_cache, ext)
     g = torch.Generator().manual_seed(6)
     steps = [
         # prompts whose last tokens sample (the runner's rows), one of them over several 16-token work items
@@ -136,9 +155,9 @@ def test_fused_step_hands_back_only_the_rows_asked_for(model) -> None:
 
 
 @torch.inference_mode()
-def test_fused_commit_of_verified_states_matches_the_python_commit(model) -> None:
+def test_fused_commit_of_verified_states_matches_the_python_commit(model, ext) -> None:
     ref_cache, fused_cache = junk_cache(model, 1), junk_cache(model, 1)
-    fused = FusedTrunk(model, fused_cache)
+    fused = FusedTrunk(model, fused_cache, ext)
     lens, verify = [(4, 6), (1, 3), (3, 9)], [True, False, True]
     ids = torch.randint(0, model.config.vocab_size, (8,), generator=torch.Generator().manual_seed(4))
     ref_ctx, fused_ctx = context(ref_cache, lens, verify), context(fused_cache, lens, verify)
@@ -150,8 +169,8 @@ def test_fused_commit_of_verified_states_matches_the_python_commit(model) -> Non
     assert_caches_equal(ref_cache, fused_cache)
 
 
-def test_fused_logits_for_few_and_many_rows(model) -> None:
-    fused = FusedTrunk(model, allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1))
+def test_fused_logits_for_few_and_many_rows(model, ext) -> None:
+    fused = FusedTrunk(model, allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1), ext)
     hidden = torch.randn(200, model.config.hidden_size)
     with torch.inference_mode():  # 200 rows: more than one of the panel kernel's row blocks
         for rows in ([3], list(range(8)), list(range(20)), list(range(200))):
@@ -161,7 +180,7 @@ def test_fused_logits_for_few_and_many_rows(model) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 97, 200])
-def test_panel_projection_matches_torch_linear(rows: int) -> None:
+def test_panel_projection_matches_torch_linear(ext, rows: int) -> None:
     """The bf16 panel kernel alone against F.linear: row tails of 1-5, row blocks of 96, output counts that
     are not multiples of 64 (a partial last panel), odd K."""
     g = torch.Generator().manual_seed(rows)
@@ -170,11 +189,11 @@ def test_panel_projection_matches_torch_linear(rows: int) -> None:
         x = torch.randn(rows, k_in, generator=g)
         _, panels = _linear(weight)
         assert panels.numel() > 0  # bf16-valued weights get panels
-        got = load_extension().linear_panels(x, panels, n_out)
+        got = ext.linear_panels(x, panels, n_out)
         torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
-def test_panel_projection_with_an_output_written_around_the_caches() -> None:
+def test_panel_projection_with_an_output_written_around_the_caches(ext) -> None:
     """An output over 4 MB (a long prompt chunk's) is written with non-temporal stores: the same numbers as
     the same rows projected a few at a time, and a partial last panel still lands in place."""
     g = torch.Generator().manual_seed(0)
@@ -182,14 +201,13 @@ def test_panel_projection_with_an_output_written_around_the_caches() -> None:
     weight = torch.randn(n_out, k_in, generator=g).bfloat16().float()
     x = torch.randn(2048, k_in, generator=g)
     _, panels = _linear(weight)
-    ext = load_extension()
     got = ext.linear_panels(x, panels, n_out)
     assert torch.equal(got, torch.cat([ext.linear_panels(rows, panels, n_out) for rows in x.split(96)]))
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
-def test_fused_greedy_tokens_are_the_argmax_of_the_logits(model) -> None:
-    fused = FusedTrunk(model, allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1))
+def test_fused_greedy_tokens_are_the_argmax_of_the_logits(model, ext) -> None:
+    fused = FusedTrunk(model, allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1), ext)
     hidden = torch.randn(40, model.config.hidden_size)
     hidden[7] = 0.0  # every logit equal: the first index, as torch.argmax
     hidden[9, 3] = float("nan")  # NaN logits count as the largest, as in torch.argmax
@@ -207,7 +225,7 @@ def test_only_float32_models_and_caches_are_fused(model, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("bf16_values", [False, True], ids=["fp32", "bf16-values"])
-def test_fused_mtp_matches_the_python_head(tmp_path, bf16_values: bool) -> None:
+def test_fused_mtp_matches_the_python_head(tmp_path, ext, bf16_values: bool) -> None:
     hf = random_hf_model(RATIOS_27B, seed=4)
     mtp = random_mtp_tensors(RATIOS_27B)
     if bf16_values:
@@ -218,7 +236,7 @@ def test_fused_mtp_matches_the_python_head(tmp_path, bf16_values: bool) -> None:
     model = load_model(save_official_layout(hf, tmp_path, mtp), dtype="float32", with_mtp=True)
     ref_cache = allocate_cache(model.config, num_blocks=64, block_size=BLOCK, num_slots=4, with_mtp=True)
     fused_cache = allocate_cache(model.config, num_blocks=64, block_size=BLOCK, num_slots=4, with_mtp=True)
-    fused = FusedMTP(model, fused_cache)
+    fused = FusedMTP(model, fused_cache, ext)
     g = torch.Generator().manual_seed(5)
     H, V = model.config.hidden_size, model.config.vocab_size
     # pass 1 over prompt positions, then single-row draft passes, as SpecDecoder.propose runs them
@@ -251,9 +269,9 @@ def test_engine_runs_the_fused_step_unless_enforce_eager(tmp_path) -> None:
     assert len({str(v) for v in outputs.values()}) == 1  # chunked prefill, decode and verify: all agree
 
 
-def test_the_fused_step_profiles_its_parts(model) -> None:
+def test_the_fused_step_profiles_its_parts(model, ext) -> None:
     cache = allocate_cache(model.config, num_blocks=64, block_size=BLOCK, num_slots=6)
-    fused = FusedTrunk(model, cache)
+    fused = FusedTrunk(model, cache, ext)
     fused.set_profiling(True)
     with torch.inference_mode():
         fused(torch.arange(30) % model.config.vocab_size, context(cache, [(20, 0), (10, 0)]))
@@ -264,7 +282,7 @@ def test_the_fused_step_profiles_its_parts(model) -> None:
     assert all(v == 0 for v in fused.profile().values())  # reading clears
 
 
-def test_threads_split_the_work_without_changing_it(model) -> None:
+def test_threads_split_the_work_without_changing_it(model, ext) -> None:
     """With enough work (8 prompts of 600 tokens, then their decodes over 600 cached positions) the step
     splits panels, sequences and attention rows over torch's threads; each of its outputs is still computed
     by one thread in one order. (MKL, for fp32-valued weights, may block its GEMM differently per thread
@@ -275,7 +293,7 @@ def test_threads_split_the_work_without_changing_it(model) -> None:
     results = []
     for threads in (1, 2):
         cache = allocate_cache(model.config, num_blocks=B * blocks, block_size=BLOCK, num_slots=B)
-        fused = FusedTrunk(model, cache)
+        fused = FusedTrunk(model, cache, ext)
         prompts = ForwardContext.paged(cache, [n] * B, [0] * B, tables, list(range(B)))
         decodes = ForwardContext.paged(cache, [1] * B, [n] * B, tables, list(range(B)))
         before = torch.get_num_threads()

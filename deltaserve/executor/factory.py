@@ -30,7 +30,7 @@ def make_executor(
     try:
         executor = FusedCPUExecutor(model, cache, with_mtp=with_mtp)
     except FusedBuildError as e:
-        log.warning("executor: torch, since %s; steps run the Python model, several times slower", e)
+        log.warning("executor: torch, since %s", e)  # the error says what that costs
         return TorchExecutor(model, cache)
     log.info("executor: fused-cpu (one C++ call per step)")
     return executor

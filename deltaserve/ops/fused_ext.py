@@ -1,57 +1,58 @@
-"""Builds and loads the fused step's C++ source (csrc/fused_step.cpp) with the system C++ compiler, once per
-machine and source version (about 30 s), cached by torch under ~/.cache/torch_extensions."""
+"""Builds and loads the fused step's C++ sources (every *.cpp in csrc/) with the system C++ compiler: once per
+source, flags, torch, compiler and machine (about 30 s, said on stderr), cached under TORCH_EXTENSIONS_DIR or
+~/.cache/torch_extensions (ext_build.py). A failed build is remembered: the process does not try again.
+
+The native build is compiled for this CPU (-march=native); the portable one for any x86-64 since about 2009
+(-march=x86-64-v2: no AVX, so the C++'s non-AVX-512 branches), which the tests run as well."""
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import platform
 import threading
 from pathlib import Path
+from types import ModuleType
 
-log = logging.getLogger(__name__)
+from deltaserve.ops.ext_build import ExtensionSpec
+from deltaserve.ops.ext_build import load as build_and_load
 
-SOURCE = Path(__file__).parent / "csrc" / "fused_step.cpp"
+SOURCE_DIR = Path(__file__).parent / "csrc"
+# What a failed build costs, for its warning (docs/benchmarks.md: the fused step vs op-by-op torch models).
+FALLBACK_COST = (
+    "the Python model runs every step op by op instead, several times slower on a CPU (see docs/benchmarks.md)"
+)
 
 _lock = threading.Lock()
-_module = None
+_modules: dict[bool, ModuleType] = {}
+_failures: dict[bool, str] = {}
 
 
 class FusedBuildError(RuntimeError):
     """The C++ step could not be compiled or loaded (no compiler?); the Python model still works."""
 
 
-def _cpu_tag() -> str:
-    """Build directory key: the code is compiled with -march=native, so a cache must not cross CPUs."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "model name")):
-                flags += line
-    except OSError:
-        flags = platform.processor()
-    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+def extension_spec(portable: bool = False) -> ExtensionSpec:
+    # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers; without it the step's loops ran on one
+    # thread whatever torch.set_num_threads said. The process keeps one OpenMP runtime: torch's own
+    # libgomp.so.1 is already loaded under that name.
+    if not portable:
+        arch = ["-march=native"]
+    else:  # elsewhere the compiler's default target is the portable one
+        arch = ["-march=x86-64-v2"] if platform.machine() in ("x86_64", "AMD64") else []
+    name = "deltaserve_fused_step_portable" if portable else "deltaserve_fused_step"
+    return ExtensionSpec(name, SOURCE_DIR, cflags=("-O3", *arch, "-fopenmp"), ldflags=("-fopenmp",))
 
 
-def load_extension():
-    """Compile (once per machine and source version; about 30 s) and import the C++ step."""
-    global _module
+def load_extension(portable: bool = False) -> ModuleType:
+    """The C++ step's module, compiled first if this machine has no build of these sources (about 30 s).
+    Raises FusedBuildError naming the cause, at once if the build already failed in this process."""
     with _lock:
-        if _module is None:
-            from torch.utils.cpp_extension import _get_build_directory, load
-
-            name = f"deltaserve_fused_step_{_cpu_tag()}"
-            build_dir = Path(_get_build_directory(name, verbose=False))
-            if not any(build_dir.glob("*.so")):
-                log.info("building the fused step (C++, once per machine; about 30 s)")
-            try:
-                # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers; without it the step's loops
-                # ran on one thread whatever torch.set_num_threads said. The process keeps one OpenMP
-                # runtime: torch's own libgomp.so.1 is already loaded under that name.
-                _module = load(
-                    name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False,
-                )
-            except Exception as e:  # compiler missing or failing: say so, the caller falls back
-                raise FusedBuildError(f"could not build the fused step from {SOURCE.name}: {e}") from e
-        return _module
+        if portable in _modules:
+            return _modules[portable]
+        if portable in _failures:
+            raise FusedBuildError(f"{_failures[portable]}. Not retried: it failed earlier in this process")
+        try:
+            _modules[portable] = build_and_load(extension_spec(portable))
+        except Exception as e:  # no compiler, a compile error, an unwritable cache, ...: the caller falls back
+            _failures[portable] = f"could not build the fused C++ step: {e}; {FALLBACK_COST}"
+            raise FusedBuildError(_failures[portable]) from e
+        return _modules[portable]

@@ -14,6 +14,8 @@ one more bf16 copy, in pairs along K, for greedy_tokens' screen.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from deltaserve.model.context import CacheTensors, ForwardContext
@@ -107,11 +109,12 @@ class _FusedStack:
     """Python side of the C++ FusedStack: builds its tensor list, runs it on a ForwardContext."""
 
     def __init__(self, model: torch.nn.Module, cache: CacheTensors, embed: torch.Tensor, final_norm,
-                 lm_head: list[torch.Tensor], prologue: list[torch.Tensor], layers) -> None:
+                 lm_head: list[torch.Tensor], prologue: list[torch.Tensor], layers,
+                 ext: ModuleType | None = None) -> None:
         reason = supported(model, cache)
         if reason is not None:
             raise ValueError(f"the fused step cannot run this model: {reason}")
-        ext = load_extension()
+        ext = ext or load_extension()  # ext: another build of the C++ step (the tests' portable one)
         cfg = model.config
         with torch.no_grad():
             tensors = [embed.detach(), _one_plus(final_norm), model.model.rotary.inv_freq.contiguous()]
@@ -164,10 +167,11 @@ class _FusedStack:
 class FusedTrunk(_FusedStack):
     """The trunk of a Qwen3_5ForCausalLM over a fixed cache, as one C++ call per step."""
 
-    def __init__(self, model: torch.nn.Module, cache: CacheTensors) -> None:
+    def __init__(self, model: torch.nn.Module, cache: CacheTensors, ext: ModuleType | None = None) -> None:
         text = model.model
         super().__init__(
-            model, cache, text.embed_tokens.weight, text.norm, _linear(model.lm_head.weight), [], list(text.layers)
+            model, cache, text.embed_tokens.weight, text.norm, _linear(model.lm_head.weight), [], list(text.layers),
+            ext,
         )
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
@@ -217,7 +221,7 @@ class FusedTrunk(_FusedStack):
 class FusedMTP(_FusedStack):
     """The MTP head (one layer) as one C++ call per draft pass: Qwen3_5ForCausalLM.mtp_hidden."""
 
-    def __init__(self, model: torch.nn.Module, cache: CacheTensors) -> None:
+    def __init__(self, model: torch.nn.Module, cache: CacheTensors, ext: ModuleType | None = None) -> None:
         mtp = model.mtp
         if mtp is None or len(mtp.layers) != 1:
             raise ValueError("the fused MTP head needs a model with exactly one MTP layer")
@@ -225,7 +229,7 @@ class FusedMTP(_FusedStack):
         prologue = _linear(mtp.fc.weight) + [_one_plus(mtp.pre_fc_norm_embedding), _one_plus(mtp.pre_fc_norm_hidden)]
         # Drafts take their logits from the trunk's lm_head (FusedTrunk.logits): no second bf16 copy here.
         lm_head = [model.lm_head.weight.detach(), torch.empty(0)]
-        super().__init__(model, cache, embed.weight, mtp.norm, lm_head, prologue, list(mtp.layers))
+        super().__init__(model, cache, embed.weight, mtp.norm, lm_head, prologue, list(mtp.layers), ext)
 
     def __call__(
         self, next_token_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, step: int = 0
