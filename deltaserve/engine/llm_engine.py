@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from deltaserve.cache.manager import CacheManager, CacheUsage
+from deltaserve.cache.prefix_cache import PrefixCacheStats
+from deltaserve.cache.snapshots import SnapshotPool
 from deltaserve.cache.tensors import allocate_cache
 from deltaserve.config import ModelConfig
 from deltaserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, EngineConfigError
@@ -51,6 +53,7 @@ class CachePlan:
     num_blocks: int
     num_slots: int
     max_model_len: int
+    num_snapshots: int = 0  # GDN snapshots for prefix caching (0 without it)
 
 
 @dataclass(slots=True)
@@ -63,15 +66,18 @@ class EngineStats:
     prompt_tokens: int  # tokens run through the model as prompt/recompute chunks, all steps
     generation_tokens: int  # tokens sampled, all steps
     spec: SpecDecodeMetrics | None = None  # speculative decoding counters (None without speculation)
+    prefix_cache: PrefixCacheStats | None = None  # prefix cache counters (None without prefix caching)
 
 
 def plan_cache(
     cfg: ModelConfig, econf: EngineConfig, kv_dtype: torch.dtype, with_mtp: bool = False
 ) -> CachePlan:
-    """Split kv_cache_memory between max_num_seqs GDN state slots and as many KV blocks as fit, no more
-    than max_num_seqs sequences of max_model_len could use. Raise if one max_model_len sequence does not
-    fit, since then a lone request could never complete."""
+    """Split kv_cache_memory between max_num_seqs GDN state slots, the GDN snapshot pool of prefix
+    caching (num_gdn_snapshots, default max_num_seqs: one slot's size each) and as many KV blocks as fit, no
+    more than max_num_seqs sequences of max_model_len could use. Raise if one max_model_len sequence does
+    not fit, since then a lone request could never complete."""
     bs = econf.block_size
+    snapshots = (econf.num_gdn_snapshots or econf.max_num_seqs) if econf.enable_prefix_caching else 0
     slots = econf.max_num_seqs
     block_bytes = kv_bytes_per_block(cfg, bs, kv_dtype, with_mtp)
     slot_bytes = gdn_state_bytes_per_seq(
@@ -81,12 +87,15 @@ def plan_cache(
     if econf.num_kv_blocks is not None:
         available = econf.num_kv_blocks
     else:
-        if slots * slot_bytes > memory:
+        states = (slots + snapshots) * slot_bytes
+        if states > memory:
+            with_snapshots = f" and {snapshots} prefix-caching snapshots" if snapshots else ""
             raise EngineConfigError(
                 f"kv_cache_memory={memory} bytes cannot hold the GDN states of max_num_seqs={slots} "
-                f"sequences ({slots * slot_bytes} bytes); raise kv_cache_memory or lower max_num_seqs"
+                f"sequences{with_snapshots} ({states} bytes); raise kv_cache_memory or lower max_num_seqs"
+                + (" / num_gdn_snapshots" if snapshots else "")
             )
-        available = (memory - slots * slot_bytes) // max(block_bytes, 1)
+        available = (memory - states) // max(block_bytes, 1)
     max_len = econf.max_model_len
     if max_len is None:
         # The model's own limit, shortened (with a warning) to what one sequence can hold in this cache.
@@ -109,7 +118,7 @@ def plan_cache(
             f"needs {per_seq}; raise kv_cache_memory / num_kv_blocks or lower max_model_len"
         )
     blocks = available if econf.num_kv_blocks is not None else min(available, slots * per_seq)
-    return CachePlan(num_blocks=blocks, num_slots=slots, max_model_len=max_len)
+    return CachePlan(num_blocks=blocks, num_slots=slots, max_model_len=max_len, num_snapshots=snapshots)
 
 
 class LLMEngine:
@@ -136,7 +145,10 @@ class LLMEngine:
         self.cache_tensors = allocate_cache(
             self.model_config, plan.num_blocks, config.block_size, plan.num_slots, kv_dtype, with_mtp=k > 0
         )
-        self.cache = CacheManager(plan.num_blocks, config.block_size, plan.num_slots)
+        snapshots = SnapshotPool(self.cache_tensors, plan.num_snapshots) if plan.num_snapshots else None
+        self.cache = CacheManager(
+            plan.num_blocks, config.block_size, plan.num_slots, snapshots, config.mamba_block_size, with_mtp=k > 0
+        )
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
@@ -177,7 +189,8 @@ class LLMEngine:
         prompt: str | list[int] | dict[str, Any],
         params: SamplingParams | None = None,
     ) -> None:
-        """Queue a request. prompt: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": text}."""
+        """Queue a request. prompt: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": text}; a dict
+        may carry "cache_salt" (vLLM's): only prompts with the same salt share cached prefixes."""
         params = params or SamplingParams()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         # The cache is keyed by the sequence ids: two live sequences with one id would share blocks and a slot.
@@ -186,6 +199,9 @@ class LLMEngine:
             raise ValueError(f"request_id {taken[0]!r} is already in use")
         text, ids = self._tokenize(prompt)
         self._validate_prompt(ids)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
         validate_params_for_vocab(params, self.model_config.vocab_size)
         group = RequestGroup(request_id, text, ids, params)
         for i, child_id in enumerate(child_ids):
@@ -202,6 +218,7 @@ class LLMEngine:
                 index=i,
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
+                cache_salt=salt,
             )
             req.sampling.output_token_ids = req.output_token_ids  # one list: penalties read what we append
             if self.spec_metrics is not None:
@@ -289,6 +306,8 @@ class LLMEngine:
             s.request.num_computed_tokens += s.num_tokens
             if s.kind != DECODE:
                 self.prompt_tokens += s.num_tokens
+        # Prefix caching: snapshots and newly full blocks, before a finishing request frees its blocks.
+        self.cache.after_step([(s.request, s.context_len) for s in sched.scheduled])
         touched: dict[str, RequestGroup] = {}
         now = time.monotonic()
         for rid, v in result.verified.items():
@@ -364,6 +383,7 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             spec=None if self.spec_metrics is None else copy.deepcopy(self.spec_metrics),
+            prefix_cache=None if self.cache.prefix is None else copy.copy(self.cache.prefix.stats),
         )
 
 

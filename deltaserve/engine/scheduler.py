@@ -83,7 +83,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_pending_tokens, budget)
+            n = self.cache.clip_chunk(req.request_id, req.num_computed_tokens, min(req.num_pending_tokens, budget))
             drafts = 0
             if req.spec_token_ids and req.num_pending_tokens == 1:
                 # Verify 1 + k tokens; drafts beyond the budget are dropped, not postponed (stale next step).
@@ -107,13 +107,19 @@ class Scheduler:
         # Nothing new joins while running requests were just evicted for space: they come back first.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            n = min(req.num_pending_tokens, budget)
-            if not self.cache.allocate(req.request_id, req.num_computed_tokens + n):
+            # Prefix caching: start after the longest cached prefix (blocks + GDN snapshot), if any.
+            hit = self.cache.lookup_prefix(req)
+            start = req.num_computed_tokens + hit.num_tokens
+            n = self.cache.clip_chunk(req.request_id, start, min(req.num_tokens - start, budget))
+            if not self.cache.allocate(req.request_id, start + n, hit):
                 break
+            req.num_computed_tokens = start
+            self.cache.admitted(req, hit)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
+                req.num_cached_tokens = hit.num_tokens
             self.running.append(req)
             scheduled.append(self._entry(req, n))
             budget -= n
