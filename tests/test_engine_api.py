@@ -79,7 +79,12 @@ def test_stop_token_ids_and_eos(path: Path) -> None:
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(enable_prefix_caching=True), UnsupportedFeatureError, "enable_prefix_caching"),
+        (dict(enable_prefix_caching=True, mamba_cache_mode="all"), UnsupportedFeatureError,
+         "please use '--mamba-cache-mode=align' instead"),
+        (dict(mamba_cache_mode="align"), EngineConfigError, "add enable_prefix_caching=True"),
+        (dict(mamba_cache_mode="some"), EngineConfigError, "mamba_cache_mode 'some' is not known"),
+        (dict(enable_prefix_caching=True, mamba_block_size=40), EngineConfigError,
+         "mamba_block_size=40 must be a multiple of block_size=16"),
         (
             dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
             EngineConfigError,

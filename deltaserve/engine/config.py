@@ -34,7 +34,7 @@ class EngineConfig:
     mamba_cache_mode: str = "none"
     # Tokens between GDN snapshots of a long prompt (vLLM's name; a multiple of block_size). None: 32 blocks.
     mamba_block_size: int | None = None
-    num_gdn_snapshots: int | None = None  # force the snapshot pool's size (default max_num_seqs)
+    num_gdn_snapshots: int | None = None  # GDN snapshot pool size (default 4 * max_num_seqs)
     speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"

@@ -73,11 +73,11 @@ def plan_cache(
     cfg: ModelConfig, econf: EngineConfig, kv_dtype: torch.dtype, with_mtp: bool = False
 ) -> CachePlan:
     """Split kv_cache_memory between max_num_seqs GDN state slots, the GDN snapshot pool of prefix
-    caching (num_gdn_snapshots, default max_num_seqs: one slot's size each) and as many KV blocks as fit, no
-    more than max_num_seqs sequences of max_model_len could use. Raise if one max_model_len sequence does
+    caching (one slot's size each) and as many KV blocks as fit, no more than max_num_seqs sequences of
+    max_model_len could use. Raise if one max_model_len sequence does
     not fit, since then a lone request could never complete."""
     bs = econf.block_size
-    snapshots = (econf.num_gdn_snapshots or econf.max_num_seqs) if econf.enable_prefix_caching else 0
+    snapshots = default_num_snapshots(econf) if econf.enable_prefix_caching else 0
     slots = econf.max_num_seqs
     block_bytes = kv_bytes_per_block(cfg, bs, kv_dtype, with_mtp)
     slot_bytes = gdn_state_bytes_per_seq(
@@ -119,6 +119,13 @@ def plan_cache(
         )
     blocks = available if econf.num_kv_blocks is not None else min(available, slots * per_seq)
     return CachePlan(num_blocks=blocks, num_slots=slots, max_model_len=max_len, num_snapshots=snapshots)
+
+
+def default_num_snapshots(econf: EngineConfig) -> int:
+    """num_gdn_snapshots, or 4 per sequence slot: a request saves a snapshot at its prompt's end, at the end
+    of a prefix it shares, and every mamba_block_size tokens, and the pool should keep those of the last
+    few turns of every running conversation."""
+    return econf.num_gdn_snapshots or 4 * econf.max_num_seqs
 
 
 class LLMEngine:

@@ -1,0 +1,114 @@
+"""The parts of prefix caching on their own: chained block hashes, the ref-counted KV block pool with its
+LRU of freed cached blocks, and the GDN snapshot pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from deltaserve.cache.block_pool import CacheExhaustedError
+from deltaserve.cache.kv_blocks import KVBlockPool
+from deltaserve.cache.prefix import extend_block_hashes, hash_block
+from deltaserve.cache.snapshots import SnapshotPool
+from deltaserve.model.context import CacheTensors
+
+
+@dataclass
+class Seq:
+    tokens: list[int]
+    cache_salt: str | None = None
+    request_id: str = "r"
+    num_computed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        return self.tokens[start:end]
+
+
+def _hashes(tokens: list[int], salt: str | None = None, n: int = 3) -> list[bytes]:
+    return extend_block_hashes([], Seq(tokens, salt), n, 4)
+
+
+def test_block_hash_chains_over_the_whole_prefix() -> None:
+    a = _hashes(list(range(12)))
+    assert len(a) == 3 and all(len(h) == 32 for h in a)  # sha256 digests
+    assert _hashes(list(range(12))) == a  # deterministic
+    b = _hashes([99] + list(range(1, 12)))  # differs in block 0 only: every later hash differs too
+    assert all(x != y for x, y in zip(a, b, strict=True))
+    c = _hashes(list(range(8)) + [0, 9, 10, 11])
+    assert c[:2] == a[:2] and c[2] != a[2]
+    salted = _hashes(list(range(12)), "alice")
+    assert all(x != y for x, y in zip(a, salted, strict=True)) and salted == _hashes(list(range(12)), "alice")
+    assert _hashes(list(range(12)), "bob") != salted
+    assert hash_block(None, [1, 23]) != hash_block(None, [12, 3])  # ids are fixed width, not concatenated digits
+    seq = Seq(list(range(10)))
+    hashes = extend_block_hashes([], seq, 1, 4)
+    assert extend_block_hashes(hashes, seq, 2, 4) is hashes and hashes == _hashes(list(range(10)), n=2)
+
+
+def test_kv_pool_ref_counts_and_lru_of_freed_cached_blocks() -> None:
+    pool = KVBlockPool(4)
+    a = pool.allocate(2)
+    for i, b in enumerate(a):
+        pool.cache(b, bytes([i]) * 32, None)
+    pool.touch(a)  # a second request shares both
+    assert pool.ref_counts[a[0]] == 2 and pool.num_shared == 2 and pool.num_free == 2
+    pool.free(a)
+    assert pool.num_free == 2 and pool.num_cached == 2  # still held once
+    pool.free(a)
+    assert pool.num_free == 4 and pool.num_cached == 2  # cached and free: in the LRU queue
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free(a[:1])
+    assert pool.num_reclaimed_by(a) == 2
+    pool.touch([a[0]])  # a hit takes a free cached block back
+    assert pool.num_free == 3 and [c.block_id for c in pool.lookup(bytes([0]) * 32)] == [a[0]]
+    pool.free([a[0]])
+    # Plain blocks go first; then the least recently freed cached one: a[1] (the tail was queued first).
+    plain = pool.allocate(2)
+    assert not set(plain) & set(a) and pool.num_evicted == 0
+    assert pool.allocate(1) == [a[1]] and pool.num_evicted == 1 and not pool.lookup(bytes([1]) * 32)
+    assert pool.lookup(bytes([0]) * 32)
+    with pytest.raises(CacheExhaustedError):
+        pool.allocate(2)
+
+
+def test_kv_pool_keeps_one_block_per_hash_and_next_token() -> None:
+    pool = KVBlockPool(3)
+    x, y, z = pool.allocate(3)
+    h = b"h" * 32
+    pool.cache(x, h, 5)
+    pool.cache(y, h, 5)  # a copy: stays plain
+    pool.cache(z, h, 6)  # another next token: the MTP entry differs, so it is kept
+    assert sorted((c.block_id, c.next_token) for c in pool.lookup(h)) == [(x, 5), (z, 6)]
+    pool.free([x, y, z])
+    assert pool.num_cached == 2 and pool.num_free == 3
+
+
+def _cache(slots: int) -> CacheTensors:
+    g = torch.Generator().manual_seed(0)
+    conv = {i: torch.randn(slots, 6, 3, generator=g) for i in (0, 2)}
+    ssm = {i: torch.randn(slots, 2, 4, 5, generator=g) for i in (0, 2)}
+    return CacheTensors(kv={}, conv=conv, ssm=ssm)
+
+
+def test_snapshot_pool_saves_restores_and_evicts_least_recently_used() -> None:
+    cache = _cache(3)
+    pool = SnapshotPool(cache, 2)
+    assert pool.bytes_per_snapshot == 2 * (6 * 3 + 2 * 4 * 5) * 4
+    want0 = {i: (cache.conv[i][0].clone(), cache.ssm[i][0].clone()) for i in (0, 2)}
+    pool.save(b"a", 0)
+    pool.save(b"b", 1)
+    cache.conv[0][0].zero_()  # the slot moves on; the snapshot keeps what it was
+    pool.restore(b"a", 2)  # also marks "a" used, so "b" is the one evicted next
+    for i in (0, 2):
+        assert torch.equal(cache.conv[i][2], want0[i][0]) and torch.equal(cache.ssm[i][2], want0[i][1])
+    pool.save(b"c", 1)
+    assert b"a" in pool and b"b" not in pool and b"c" in pool and pool.num_evicted == 1
+    assert pool.num_used == 2 and pool.bytes_used == 2 * pool.bytes_per_snapshot
+    pool.save(b"c", 0)  # already held: nothing copied
+    assert pool.num_saved == 3
