@@ -47,6 +47,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                    help="bfloat16 | float16 | float32 | fp8 "
                    "(default: fp8 for an FP8 checkpoint, else --dtype)")
     p.add_argument("--speculative", action="store_true", help="count the MTP head and its KV cache")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="count the GDN state snapshots of prefix caching (default 4 per sequence)")
+    p.add_argument("--num-gdn-snapshots", type=int, default=None,
+                   help="GDN snapshots to count with --enable-prefix-caching (default 4 x max-num-seqs)")
     p.add_argument("--no-vision", action="store_true", help="leave the vision tower out of the weights")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="also report how many KV blocks fit in this much memory per rank")
@@ -55,9 +59,16 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from deltaserve.engine.planner import format_plan, plan_memory
+    from deltaserve.engine.planner import default_num_snapshots, format_plan, plan_memory
 
     try:
+        if args.num_gdn_snapshots is not None and not args.enable_prefix_caching:
+            raise ValueError("--num-gdn-snapshots counts prefix caching's snapshots; add --enable-prefix-caching")
+        if args.num_gdn_snapshots is not None and args.num_gdn_snapshots < 1:
+            raise ValueError(f"--num-gdn-snapshots must be a positive integer, got {args.num_gdn_snapshots}")
+        snapshots = 0
+        if args.enable_prefix_caching:
+            snapshots = default_num_snapshots(args.max_num_seqs, args.num_gdn_snapshots)
         cfg, name = load_plan_config(args.model)
         plan = plan_memory(
             cfg,
@@ -71,6 +82,7 @@ def run_plan(args: argparse.Namespace) -> int:
             include_vision=not args.no_vision,
             dtype=args.dtype,
             model_name=name,
+            num_gdn_snapshots=snapshots,
         )
     except (ValueError, NotImplementedError) as e:  # ConfigError and UnsupportedFeatureError included
         print(f"deltaserve plan: error: {e}", file=sys.stderr)

@@ -112,3 +112,43 @@ def test_snapshot_pool_saves_restores_and_evicts_least_recently_used() -> None:
     assert pool.num_used == 2 and pool.bytes_used == 2 * pool.bytes_per_snapshot
     pool.save(b"c", 0)  # already held: nothing copied
     assert pool.num_saved == 3
+
+
+def test_plan_counts_the_snapshot_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    from deltaserve.cli_plan import main as plan_main
+    from deltaserve.config import ModelConfig
+    from deltaserve.engine.known_configs import known_config
+    from deltaserve.engine.planner import plan_memory
+
+    cfg = ModelConfig.from_dict(known_config("qwen3.5-27b"))
+    plain = plan_memory(cfg, 8192, 8, tp=4)
+    cached = plan_memory(cfg, 8192, 8, tp=4, num_gdn_snapshots=32)
+    assert cached.gdn_snapshot_bytes == 32 * plain.gdn_state_bytes_per_seq
+    assert cached.total_bytes - plain.total_bytes == cached.gdn_snapshot_bytes
+    args = ["plan", "--model", "qwen3.5-27b", "--max-model-len", "8192", "--max-num-seqs", "8", "--tp", "4"]
+    assert plan_main(args + ["--enable-prefix-caching"]) == 0
+    assert "(32 snapshots of one slot each)" in capsys.readouterr().out
+    assert plan_main(args + ["--enable-prefix-caching", "--num-gdn-snapshots", "5"]) == 0
+    assert "(5 snapshots of one slot each)" in capsys.readouterr().out
+    assert plan_main(args + ["--num-gdn-snapshots", "5"]) == 2
+    assert "add --enable-prefix-caching" in capsys.readouterr().err
+
+
+def test_engine_takes_the_snapshot_pool_from_the_cache_memory() -> None:
+    from deltaserve.config import ModelConfig
+    from deltaserve.engine.config import EngineConfig, EngineConfigError
+    from deltaserve.engine.llm_engine import plan_cache
+    from deltaserve.engine.planner import gdn_state_bytes_per_seq, kv_bytes_per_block
+    from tests.checkpoints import TINY
+
+    cfg = ModelConfig.from_dict(dict(TINY, model_type="qwen3_5_text"))
+    slot = gdn_state_bytes_per_seq(cfg, torch.float32, torch.float32)
+    block = kv_bytes_per_block(cfg, 16, "float32")
+    memory = 4 * slot + 3 * slot + 40 * block  # 4 slots, 3 snapshots, 40 blocks
+    base = dict(max_num_seqs=4, kv_cache_memory=memory, max_model_len=256)
+    plan = plan_cache(cfg, EngineConfig(**base, enable_prefix_caching=True, num_gdn_snapshots=3), torch.float32)
+    assert (plan.num_snapshots, plan.num_blocks) == (3, 40)
+    assert plan_cache(cfg, EngineConfig(**base), torch.float32).num_snapshots == 0
+    assert plan_cache(cfg, EngineConfig(**base, enable_prefix_caching=True), torch.float32).num_snapshots == 16
+    with pytest.raises(EngineConfigError, match="and 100 prefix-caching snapshots"):
+        plan_cache(cfg, EngineConfig(**base, enable_prefix_caching=True, num_gdn_snapshots=100), torch.float32)

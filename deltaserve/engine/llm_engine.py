@@ -20,7 +20,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, EngineConfigError
 from deltaserve.engine.detokenizer import IncrementalDetokenizer, check_stop
 from deltaserve.engine.logits_head import LogitsHead
-from deltaserve.engine.planner import gdn_state_bytes_per_seq, kv_bytes_per_block
+from deltaserve.engine.planner import default_num_snapshots, gdn_state_bytes_per_seq, kv_bytes_per_block
 from deltaserve.engine.request import Request, RequestGroup, RequestStatus
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_params_for_vocab
@@ -77,7 +77,7 @@ def plan_cache(
     max_model_len could use. Raise if one max_model_len sequence does
     not fit, since then a lone request could never complete."""
     bs = econf.block_size
-    snapshots = default_num_snapshots(econf) if econf.enable_prefix_caching else 0
+    snapshots = default_num_snapshots(econf.max_num_seqs, econf.num_gdn_snapshots) if econf.enable_prefix_caching else 0
     slots = econf.max_num_seqs
     block_bytes = kv_bytes_per_block(cfg, bs, kv_dtype, with_mtp)
     slot_bytes = gdn_state_bytes_per_seq(
@@ -119,13 +119,6 @@ def plan_cache(
         )
     blocks = available if econf.num_kv_blocks is not None else min(available, slots * per_seq)
     return CachePlan(num_blocks=blocks, num_slots=slots, max_model_len=max_len, num_snapshots=snapshots)
-
-
-def default_num_snapshots(econf: EngineConfig) -> int:
-    """num_gdn_snapshots, or 4 per sequence slot: a request saves a snapshot at its prompt's end, at the end
-    of a prefix it shares, and every mamba_block_size tokens, and the pool should keep those of the last
-    few turns of every running conversation."""
-    return econf.num_gdn_snapshots or 4 * econf.max_num_seqs
 
 
 class LLMEngine:

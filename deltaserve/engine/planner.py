@@ -174,6 +174,13 @@ def num_slots_for(
     return max(0, int(memory_bytes) // per_seq) if per_seq else 0
 
 
+def default_num_snapshots(max_num_seqs: int, num_gdn_snapshots: int | None = None) -> int:
+    """The GDN snapshot pool of prefix caching: num_gdn_snapshots, or 4 per sequence slot. A request saves
+    a snapshot at its prompt's end, at the end of a prefix it shares with an earlier one and every
+    mamba_block_size tokens; the pool should keep those of the last turns of every running conversation."""
+    return num_gdn_snapshots or 4 * max_num_seqs
+
+
 # ---- weights -------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class _Tensor:
@@ -400,6 +407,9 @@ class MemoryPlan:
     gdn_conv_bytes_per_layer: int
     gdn_state_bytes_per_seq: int
     gdn_state_bytes: int
+    # GDN state snapshots of prefix caching (per rank): each the size of one slot
+    num_gdn_snapshots: int = 0
+    gdn_snapshot_bytes: int = 0
     # weights (per rank)
     weight_parts: list[WeightPart] = field(default_factory=list)
     weight_bytes: int = 0
@@ -413,7 +423,7 @@ class MemoryPlan:
 
     @property
     def cache_bytes(self) -> int:
-        return self.kv_cache_bytes + self.gdn_state_bytes
+        return self.kv_cache_bytes + self.gdn_state_bytes + self.gdn_snapshot_bytes
 
 
 def plan_memory(
@@ -428,9 +438,11 @@ def plan_memory(
     include_vision: bool = True,
     dtype: str | torch.dtype | None = None,
     model_name: str = "",
+    num_gdn_snapshots: int = 0,
 ) -> MemoryPlan:
     """Worst-case memory per TP rank for max_num_seqs sequences of max_model_len tokens each: every sequence
-    holds ceil(max_model_len / block_size) KV blocks and one GDN state slot. `dtype` is the activation /
+    holds ceil(max_model_len / block_size) KV blocks and one GDN state slot; prefix caching adds
+    num_gdn_snapshots GDN state snapshots. `dtype` is the activation /
     model dtype (default the config's); it sets 'auto' KV and the conv state."""
     sizes = (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs), ("block_size", block_size))
     for name, value in sizes:
@@ -471,6 +483,7 @@ def plan_memory(
         kv_cache_bytes=num_blocks * per_block,
         gdn_recurrent_bytes_per_layer=rec, gdn_conv_bytes_per_layer=conv, gdn_state_bytes_per_seq=per_seq,
         gdn_state_bytes=per_seq * max_num_seqs,
+        num_gdn_snapshots=num_gdn_snapshots, gdn_snapshot_bytes=per_seq * num_gdn_snapshots,
         weight_parts=parts, weight_bytes=weight_bytes, text_params=text_params,
         mtp_params=by_name["MTP"].total_params if "MTP" in by_name else 0,
         vision_params=by_name["vision tower"].total_params if "vision tower" in by_name else 0,
@@ -478,7 +491,7 @@ def plan_memory(
     )
     if tp == 1 and wdtype == "float32" and normalize_dtype(cfg.torch_dtype) == "bfloat16":
         plan.fused_copy_bytes = fused_copy_bytes(cfg, with_mtp)
-    plan.total_bytes = plan.weight_bytes + plan.fused_copy_bytes + plan.kv_cache_bytes + plan.gdn_state_bytes
+    plan.total_bytes = plan.weight_bytes + plan.fused_copy_bytes + plan.cache_bytes
     return plan
 
 
@@ -571,13 +584,16 @@ def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
     row("conv per layer", plan.gdn_conv_bytes_per_layer)
     row(f"per sequence, {plan.num_gdn_layers} layers", plan.gdn_state_bytes_per_seq)
     row("all sequences", plan.gdn_state_bytes, f"({plan.max_num_seqs} slots)")
+    if plan.num_gdn_snapshots:
+        row("prefix-cache snapshots", plan.gdn_snapshot_bytes,
+            f"({plan.num_gdn_snapshots} snapshots of one slot each)")
     add("")
     copies = f" + fused copies {format_bytes(plan.fused_copy_bytes)}" if plan.fused_copy_bytes else ""
     add(f"Total per rank            {format_bytes(plan.total_bytes):>12}   "
         f"(weights {format_bytes(plan.weight_bytes)}{copies}, cache {format_bytes(plan.cache_bytes)}; "
         "activations not included)")
     if gpu_memory_bytes is not None:
-        free = gpu_memory_bytes - plan.weight_bytes - plan.gdn_state_bytes
+        free = gpu_memory_bytes - plan.weight_bytes - plan.gdn_state_bytes - plan.gdn_snapshot_bytes
         blocks = max(0, free) // plan.kv_bytes_per_block if plan.kv_bytes_per_block else 0
         add(f"With {format_bytes(gpu_memory_bytes)} per rank: {blocks:,} KV blocks fit after weights and "
             f"{plan.max_num_seqs} GDN slots = {blocks * plan.block_size:,} cached tokens, "
