@@ -237,3 +237,40 @@ def test_speculative_decoding_same_outputs_and_mtp_next_token_rule(mtp_path: Pat
     # Without speculation the next token does not matter: the second prompt reuses all 192.
     llm = _engine(mtp_path, True)
     assert [llm.generate([p], PARAMS["greedy"], use_tqdm=False)[0].num_cached_tokens for p in prompts] == [0, 192, 192]
+
+
+def _kv_rows(engine: LLMEngine, layer: int, request_id: str, n: int) -> torch.Tensor:
+    """K and V of positions [0, n) of a running request in one layer's paged cache, [n, 2 * nkv * hd]."""
+    k, v = engine.cache_tensors.kv[layer]  # [blocks, nkv, hd, bs], [blocks, bs, nkv, hd]
+    table = engine.cache.block_tables[request_id]
+    rows = [torch.cat([k[table[p // BS], :, :, p % BS].flatten(), v[table[p // BS], p % BS].flatten()])
+            for p in range(n)]
+    return torch.stack(rows)
+
+
+def test_reused_blocks_hold_the_mtp_entries_an_uncached_run_computes(mtp_path: Path) -> None:
+    """After a hit, every cached position of the trunk's attention layer and of the MTP layer holds what
+    the uncached engine computed for the same request: in particular the MTP entry at the last reused
+    position, made from the next token, which differs between the two prompts."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    g = torch.Generator().manual_seed(14)
+    common = _tokens(192, g)
+    first, second = (common + [2 + i] + _tokens(20, g) for i in range(2))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    rows = []
+    for caching in (False, True):
+        llm = _engine(mtp_path, caching, speculative_config=spec, max_num_batched_tokens=64)
+        engine = llm.engine
+        llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)
+        engine.add_request("b", {"prompt_token_ids": second}, params)
+        req = engine.requests["b"]
+        while len(req.output_token_ids) < 2:
+            engine.step()
+        n = req.num_computed_tokens
+        cfg = engine.model_config
+        rows.append([_kv_rows(engine, layer, "b", n) for layer in (cfg.attention_layer_ids[0], cfg.num_hidden_layers)])
+        assert req.num_cached_tokens == (128 if caching else 0)
+        while engine.has_unfinished_requests():
+            engine.step()
+    for plain, cached in zip(*rows, strict=True):
+        torch.testing.assert_close(cached, plain, rtol=1e-4, atol=1e-5)
