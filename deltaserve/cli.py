@@ -36,11 +36,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for KV blocks + GDN state slots")
     p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse the KV blocks and GDN state snapshots of prompts' common prefixes")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV blocks and GDN state snapshots of prompts' common prefixes (default: on "
+                   "when the snapshot pool fits in the cache memory)")
     p.add_argument("--mamba-cache-mode", default="none", choices=("none", "align", "all"),
                    help="GDN state caching for prefix caching: align (snapshots at block boundaries; the "
-                   "default once prefix caching is on); all is not supported")
+                   "mode whenever prefix caching is on); all is not supported")
     p.add_argument("--mamba-block-size", type=int, default=None,
                    help="tokens between GDN snapshots of a long prompt (default 32 blocks)")
     p.add_argument(

@@ -47,8 +47,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                    help="bfloat16 | float16 | float32 | fp8 "
                    "(default: fp8 for an FP8 checkpoint, else --dtype)")
     p.add_argument("--speculative", action="store_true", help="count the MTP head and its KV cache")
-    p.add_argument("--enable-prefix-caching", action="store_true",
-                   help="count the GDN state snapshots of prefix caching (default 4 per sequence)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="count the GDN state snapshots of prefix caching, on by default in the engine "
+                   "(4 per sequence unless --num-gdn-snapshots)")
     p.add_argument("--num-gdn-snapshots", type=int, default=None,
                    help="GDN snapshots to count with --enable-prefix-caching (default 4 x max-num-seqs)")
     p.add_argument("--no-vision", action="store_true", help="leave the vision tower out of the weights")
@@ -63,7 +64,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     try:
         if args.num_gdn_snapshots is not None and not args.enable_prefix_caching:
-            raise ValueError("--num-gdn-snapshots counts prefix caching's snapshots; add --enable-prefix-caching")
+            raise ValueError("--num-gdn-snapshots counts prefix caching's snapshots; "
+                             "drop --no-enable-prefix-caching")
         if args.num_gdn_snapshots is not None and args.num_gdn_snapshots < 1:
             raise ValueError(f"--num-gdn-snapshots must be a positive integer, got {args.num_gdn_snapshots}")
         snapshots = 0

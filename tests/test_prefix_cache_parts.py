@@ -126,15 +126,17 @@ def test_plan_counts_the_snapshot_pool(capsys: pytest.CaptureFixture[str]) -> No
     assert cached.gdn_snapshot_bytes == 32 * plain.gdn_state_bytes_per_seq
     assert cached.total_bytes - plain.total_bytes == cached.gdn_snapshot_bytes
     args = ["plan", "--model", "qwen3.5-27b", "--max-model-len", "8192", "--max-num-seqs", "8", "--tp", "4"]
-    assert plan_main(args + ["--enable-prefix-caching"]) == 0
+    assert plan_main(args) == 0  # on by default, as in the engine
     assert "(32 snapshots of one slot each)" in capsys.readouterr().out
-    assert plan_main(args + ["--enable-prefix-caching", "--num-gdn-snapshots", "5"]) == 0
+    assert plan_main(args + ["--num-gdn-snapshots", "5"]) == 0
     assert "(5 snapshots of one slot each)" in capsys.readouterr().out
-    assert plan_main(args + ["--num-gdn-snapshots", "5"]) == 2
-    assert "add --enable-prefix-caching" in capsys.readouterr().err
+    assert plan_main(args + ["--no-enable-prefix-caching"]) == 0
+    assert "snapshots" not in capsys.readouterr().out
+    assert plan_main(args + ["--no-enable-prefix-caching", "--num-gdn-snapshots", "5"]) == 2
+    assert "drop --no-enable-prefix-caching" in capsys.readouterr().err
 
 
-def test_engine_takes_the_snapshot_pool_from_the_cache_memory() -> None:
+def test_engine_takes_the_snapshot_pool_from_the_cache_memory(caplog: pytest.LogCaptureFixture) -> None:
     from deltaserve.config import ModelConfig
     from deltaserve.engine.config import EngineConfig, EngineConfigError
     from deltaserve.engine.llm_engine import plan_cache
@@ -148,7 +150,29 @@ def test_engine_takes_the_snapshot_pool_from_the_cache_memory() -> None:
     base = dict(max_num_seqs=4, kv_cache_memory=memory, max_model_len=256)
     plan = plan_cache(cfg, EngineConfig(**base, enable_prefix_caching=True, num_gdn_snapshots=3), torch.float32)
     assert (plan.num_snapshots, plan.num_blocks) == (3, 40)
-    assert plan_cache(cfg, EngineConfig(**base), torch.float32).num_snapshots == 0
+    assert plan_cache(cfg, EngineConfig(**base, enable_prefix_caching=False), torch.float32).num_snapshots == 0
+    assert plan_cache(cfg, EngineConfig(**base), torch.float32).num_snapshots == 16  # on by default
     assert plan_cache(cfg, EngineConfig(**base, enable_prefix_caching=True), torch.float32).num_snapshots == 16
     with pytest.raises(EngineConfigError, match="and 100 prefix-caching snapshots"):
         plan_cache(cfg, EngineConfig(**base, enable_prefix_caching=True, num_gdn_snapshots=100), torch.float32)
+    # Left to its default, caching gives way where its pool would not leave room for max_model_len.
+    plan = plan_cache(cfg, EngineConfig(**base, num_gdn_snapshots=100), torch.float32)
+    assert plan.num_snapshots == 0 and plan.num_blocks == 45 and "prefix caching is off" in caplog.text
+    tight = dict(base, max_model_len=20 * 16)  # 45 blocks without snapshots, 16 beside 16 of them
+    assert plan_cache(cfg, EngineConfig(**tight), torch.float32).num_snapshots == 0
+    with pytest.raises(EngineConfigError, match="needs 20"):
+        plan_cache(cfg, EngineConfig(**tight, enable_prefix_caching=True), torch.float32)
+
+
+def test_cli_flags() -> None:
+    import argparse
+
+    from deltaserve.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args([]))["enable_prefix_caching"] is None  # the engine's default: on
+    kw = engine_kwargs(p.parse_args(["--enable-prefix-caching", "--mamba-cache-mode", "align",
+                                     "--mamba-block-size", "128"]))
+    assert (kw["enable_prefix_caching"], kw["mamba_cache_mode"], kw["mamba_block_size"]) == (True, "align", 128)
+    assert engine_kwargs(p.parse_args(["--no-enable-prefix-caching"]))["enable_prefix_caching"] is False

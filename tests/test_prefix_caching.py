@@ -35,8 +35,9 @@ def _tokens(n: int, g: torch.Generator) -> list[int]:
 
 def _engine(path: Path, caching: bool, **kw) -> LLM:
     kw.setdefault("max_model_len", 512)
+    kw["enable_prefix_caching"] = caching
     if caching:
-        kw = dict(kw, enable_prefix_caching=True, mamba_block_size=SNAP)
+        kw["mamba_block_size"] = SNAP
     return LLM(model=str(path), **kw)
 
 

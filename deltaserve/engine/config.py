@@ -28,7 +28,9 @@ class EngineConfig:
     # Bytes for KV blocks + GDN state slots; capped by what max_num_seqs sequences of max_model_len need.
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None  # force the block count (tests of cache pressure); overrides memory
-    enable_prefix_caching: bool = False
+    # Reuse cached prefixes (KV blocks + GDN snapshots). None (the default): on, unless the snapshot pool
+    # does not fit in kv_cache_memory (then off, with a warning); True: on, and that is an error.
+    enable_prefix_caching: bool | None = None
     # How GDN state is cached for prefix caching (vLLM's flag): "align" snapshots it at block boundaries;
     # "none" means align once prefix caching is on (as vLLM sets it for this family); "all" is refused.
     mamba_cache_mode: str = "none"
@@ -93,16 +95,16 @@ class EngineConfig:
             raise UnsupportedFeatureError(
                 "this model does not support 'all' prefix caching, please use '--mamba-cache-mode=align' instead"
             )
-        if self.mamba_cache_mode == "align" and not self.enable_prefix_caching:
+        if self.mamba_cache_mode == "align" and self.enable_prefix_caching is False:
             raise EngineConfigError("mamba_cache_mode='align' caches GDN states for prefix caching; "
-                                    "add enable_prefix_caching=True or drop mamba_cache_mode")
+                                    "drop enable_prefix_caching=False or mamba_cache_mode")
         if self.mamba_block_size is None:
             self.mamba_block_size = 32 * self.block_size
         if self.mamba_block_size % self.block_size:
             raise EngineConfigError(
                 f"mamba_block_size={self.mamba_block_size} must be a multiple of block_size={self.block_size}"
             )
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching is not False:
             self.mamba_cache_mode = "align"
 
 

@@ -24,7 +24,7 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = False,
+        enable_prefix_caching: bool | None = None,
         mamba_cache_mode: str = "none",
         mamba_block_size: int | None = None,
         num_gdn_snapshots: int | None = None,

@@ -74,10 +74,36 @@ def plan_cache(
 ) -> CachePlan:
     """Split kv_cache_memory between max_num_seqs GDN state slots, the GDN snapshot pool of prefix
     caching (one slot's size each) and as many KV blocks as fit, no more than max_num_seqs sequences of
-    max_model_len could use. Raise if one max_model_len sequence does
-    not fit, since then a lone request could never complete."""
+    max_model_len could use. Raise if one max_model_len sequence does not fit, since then a lone request
+    could never complete. Prefix caching left to its default is on only where its snapshot pool costs
+    nothing else: the same max_model_len still fits."""
+    on = econf.enable_prefix_caching
+    snapshots = 0 if on is False else default_num_snapshots(econf.max_num_seqs, econf.num_gdn_snapshots)
+    if on is None and econf.num_kv_blocks is None:
+        plain = _plan_cache(cfg, econf, kv_dtype, with_mtp, 0)
+        try:
+            plan = _plan_cache(cfg, econf, kv_dtype, with_mtp, snapshots)
+        except EngineConfigError:
+            plan = None
+        if plan is None or plan.max_model_len < plain.max_model_len:
+            log.warning(
+                "prefix caching is off: kv_cache_memory=%d bytes cannot hold its %d GDN snapshots beside the "
+                "state slots and one max_model_len sequence; raise kv_cache_memory or set num_gdn_snapshots",
+                econf.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, snapshots,
+            )
+            plan = plain
+    else:
+        plan = _plan_cache(cfg, econf, kv_dtype, with_mtp, snapshots)
+    if econf.max_model_len is None and plan.max_model_len < cfg.max_position_embeddings:
+        log.warning("max_model_len set to %d (the cache holds no more); the model allows %d",
+                    plan.max_model_len, cfg.max_position_embeddings)
+    return plan
+
+
+def _plan_cache(
+    cfg: ModelConfig, econf: EngineConfig, kv_dtype: torch.dtype, with_mtp: bool, snapshots: int
+) -> CachePlan:
     bs = econf.block_size
-    snapshots = default_num_snapshots(econf.max_num_seqs, econf.num_gdn_snapshots) if econf.enable_prefix_caching else 0
     slots = econf.max_num_seqs
     block_bytes = kv_bytes_per_block(cfg, bs, kv_dtype, with_mtp)
     slot_bytes = gdn_state_bytes_per_seq(
@@ -98,14 +124,8 @@ def plan_cache(
         available = (memory - states) // max(block_bytes, 1)
     max_len = econf.max_model_len
     if max_len is None:
-        # The model's own limit, shortened (with a warning) to what one sequence can hold in this cache.
+        # The model's own limit, shortened (plan_cache warns) to what one sequence can hold in this cache.
         max_len = min(cfg.max_position_embeddings, available * bs)
-        if max_len < cfg.max_position_embeddings:
-            log.warning(
-                "max_model_len set to %d (the cache holds no more); the model allows %d",
-                max_len,
-                cfg.max_position_embeddings,
-            )
     elif max_len > cfg.max_position_embeddings:
         raise EngineConfigError(
             f"max_model_len={max_len} exceeds the model's max_position_embeddings "
