@@ -105,11 +105,8 @@ class CacheManager:
     def after_step(self, entries: list[tuple[TokenSequence, int]]) -> None:
         """(request, context_len) of every request a step ran, after num_computed_tokens advanced and
         before any of them is freed: snapshots and newly cached blocks."""
-        if self.prefix is None:
-            return
-        for seq, context_len in entries:
-            rid = seq.request_id
-            self.prefix.after_step(seq, context_len, self.block_tables[rid], self.state_slots[rid])
+        if self.prefix is not None:
+            self.prefix.after_step(entries, self.block_tables, self.state_slots)
 
     def owners(self) -> tuple[dict[str, list[int]], dict[str, int]]:
         """Copies of who holds which KV blocks and which GDN state slot (read-only; the inspector's view)."""

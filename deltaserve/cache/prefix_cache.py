@@ -110,25 +110,30 @@ class PrefixCache:
                 return min(num_tokens, p - start)
         return num_tokens
 
-    def after_step(self, seq: TokenSequence, context_len: int, table: list[int], slot: int) -> None:
-        """seq ran positions [context_len, num_computed_tokens) this step: snapshot its GDN state if it
-        stands on a snapshot point, and register its newly valid full blocks."""
-        bs = self.block_size
-        done = seq.num_computed_tokens
-        points = self._points.get(seq.request_id)
-        if points and points[0] <= done:
-            if points[0] == done:
-                self.snapshots.save(self._block_hashes(seq, done // bs)[done // bs - 1], slot)
-            while points and points[0] <= done:
-                points.pop(0)
-        valid = context_len if self.with_mtp else done
-        first = self._num_registered.get(seq.request_id, 0)
-        last = min(valid // bs, len(table))
-        if last > first:
-            hashes = self._block_hashes(seq, last)
-            for i in range(first, last):
-                self.blocks.cache(table[i], hashes[i], self._next_token(seq, i))
-            self._num_registered[seq.request_id] = last
+    def after_step(self, entries: list[tuple[TokenSequence, int]], tables: dict[str, list[int]],
+                   slots: dict[str, int]) -> None:
+        """Each (seq, context_len): seq ran positions [context_len, num_computed_tokens) this step. Snapshot
+        its GDN state if it stands on a snapshot point, and register its newly valid full blocks. Runs
+        every step for every request, so the common case (nothing to do) is a few dict reads."""
+        bs, all_points, registered = self.block_size, self._points, self._num_registered
+        for seq, context_len in entries:
+            rid = seq.request_id
+            done = seq.num_computed_tokens
+            points = all_points.get(rid)
+            if points and points[0] <= done:
+                if points[0] == done:
+                    self.snapshots.save(self._block_hashes(seq, done // bs)[done // bs - 1], slots[rid])
+                while points and points[0] <= done:
+                    points.pop(0)
+            last = (context_len if self.with_mtp else done) // bs
+            first = registered.get(rid, 0)
+            if last > first:
+                table = tables[rid]
+                last = min(last, len(table))
+                hashes = self._block_hashes(seq, last)
+                for i in range(first, last):
+                    self.blocks.cache(table[i], hashes[i], self._next_token(seq, i))
+                registered[rid] = last
 
     def forget(self, request_id: str) -> None:
         """The request left the cache (finished, aborted or preempted); its blocks stay cached."""
