@@ -176,3 +176,30 @@ def test_cli_flags() -> None:
                                      "--mamba-block-size", "128"]))
     assert (kw["enable_prefix_caching"], kw["mamba_cache_mode"], kw["mamba_block_size"]) == (True, "align", 128)
     assert engine_kwargs(p.parse_args(["--no-enable-prefix-caching"]))["enable_prefix_caching"] is False
+
+
+def test_kv_pool_counts_stay_right_under_random_use() -> None:
+    import random
+
+    rng = random.Random(0)
+    pool = KVBlockPool(12)
+    held: list[list[int]] = []
+    for step in range(2000):
+        op = rng.random()
+        if op < 0.35 and pool.num_free:
+            blocks = pool.allocate(rng.randint(1, min(3, pool.num_free)))
+            for b in blocks:
+                if rng.random() < 0.7:
+                    pool.cache(b, bytes([rng.randrange(6)]) * 32, rng.choice([None, 1]))
+            held.append(blocks)
+        elif op < 0.55 and held:
+            hit = [c.block_id for c in pool.lookup(bytes([rng.randrange(6)]) * 32)][:1]
+            if hit:
+                pool.touch(hit)
+                held.append(hit)
+        elif held:
+            pool.free(held.pop(rng.randrange(len(held))))
+        refs = pool.ref_counts
+        assert pool.num_shared == sum(1 for r in refs if r > 1), step
+        assert pool.num_cached == sum(len(pool.lookup(bytes([k]) * 32)) for k in range(6)), step
+        assert pool.num_free == sum(1 for r in refs if r == 0), step

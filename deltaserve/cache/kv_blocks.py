@@ -37,6 +37,9 @@ class KVBlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self._cached: dict[BlockHash, dict[int, CachedBlock]] = {}
         self.num_evicted = 0
+        # Kept as counts (not recounted) because the server reads them after every step.
+        self.num_cached = 0  # blocks whose hash is registered (in use or waiting in the LRU queue)
+        self.num_shared = 0  # blocks held by more than one request right now
 
     @property
     def num_free(self) -> int:
@@ -46,16 +49,6 @@ class KVBlockPool:
     @property
     def num_used(self) -> int:
         return self.num_total - self.num_free
-
-    @property
-    def num_cached(self) -> int:
-        """Blocks whose hash is registered (in use or waiting in the LRU queue)."""
-        return sum(len(v) for v in self._cached.values())
-
-    @property
-    def num_shared(self) -> int:
-        """Blocks held by more than one request right now."""
-        return sum(1 for r in self.ref_counts if r > 1)
 
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:
@@ -77,6 +70,8 @@ class KVBlockPool:
         for b in blocks:
             if self.ref_counts[b] == 0:
                 del self._evictable[b]
+            elif self.ref_counts[b] == 1:
+                self.num_shared += 1
             self.ref_counts[b] += 1
 
     def num_reclaimed_by(self, blocks: list[int]) -> int:
@@ -90,7 +85,9 @@ class KVBlockPool:
             if self.ref_counts[b] <= 0:
                 raise ValueError(f"KV block {b} freed twice")
             self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
+            if self.ref_counts[b] == 1:
+                self.num_shared -= 1
+            elif self.ref_counts[b] == 0:
                 if self._hash[b] is not None:
                     self._evictable[b] = None
                 else:
@@ -106,6 +103,7 @@ class KVBlockPool:
             return
         holders[block] = CachedBlock(block, next_token)
         self._hash[block] = block_hash
+        self.num_cached += 1
 
     def lookup(self, block_hash: BlockHash) -> list[CachedBlock]:
         """The cached blocks holding this hash (empty if none)."""
@@ -119,3 +117,4 @@ class KVBlockPool:
         del holders[block]
         if not holders:
             del self._cached[h]
+        self.num_cached -= 1
