@@ -3,8 +3,6 @@ reused length, and /metrics counts prefix cache queries and hits and the GDN sna
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import openai
 import pytest
 
@@ -15,24 +13,18 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> ServerProcess:
     ckpt = text_checkpoint(tmp_path_factory.mktemp("ckpt"))
     args = ["--served-model-name", MODEL, "--max-model-len", "512", "--max-num-seqs", "4",
             "--enable-prefix-caching", "--mamba-block-size", "64"]
     proc = ServerProcess(ckpt, args, tmp_path_factory.mktemp("log") / "server.log")
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    request.addfinalizer(proc.stop)
+    proc.wait_ready()
+    return proc
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
-
-
-def test_cached_tokens_in_usage_and_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
+def test_cached_tokens_in_usage_and_metrics(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
     before = metrics(server)
     ids = [(7 * i + 3) % 8000 + 100 for i in range(100)]
     args = dict(model=MODEL, max_tokens=4, temperature=0.0, extra_body={"ignore_eos": True})
