@@ -203,3 +203,15 @@ def test_kv_pool_counts_stay_right_under_random_use() -> None:
         assert pool.num_shared == sum(1 for r in refs if r > 1), step
         assert pool.num_cached == sum(len(pool.lookup(bytes([k]) * 32)) for k in range(6)), step
         assert pool.num_free == sum(1 for r in refs if r == 0), step
+
+
+def test_step_hook_skips_a_request_freed_since_it_was_scheduled() -> None:
+    from deltaserve.cache.manager import CacheManager
+
+    m = CacheManager(8, 4, 2, SnapshotPool(_cache(2), 2), snapshot_interval=4)
+    seq = Seq(list(range(10)), request_id="a")
+    assert m.lookup_prefix(seq).num_tokens == 0 and m.allocate("a", 8)
+    seq.num_computed_tokens = 8
+    m.free("a")  # aborted between schedule and the step's results
+    m.after_step([(seq, 0)])
+    assert m.blocks.num_cached == 0 and m.prefix.snapshots.num_used == 0

@@ -118,6 +118,9 @@ class PrefixCache:
         bs, all_points, registered = self.block_size, self._points, self._num_registered
         for seq, context_len in entries:
             rid = seq.request_id
+            table = tables.get(rid)
+            if table is None:  # freed since it was scheduled (aborted): nothing of it is cached
+                continue
             done = seq.num_computed_tokens
             points = all_points.get(rid)
             if points and points[0] <= done:
@@ -128,7 +131,6 @@ class PrefixCache:
             last = (context_len if self.with_mtp else done) // bs
             first = registered.get(rid, 0)
             if last > first:
-                table = tables[rid]
                 last = min(last, len(table))
                 hashes = self._block_hashes(seq, last)
                 for i in range(first, last):

@@ -8,7 +8,10 @@ of their prompt as the budget leaves, so prefill chunks and decode tokens share 
 When the KV blocks run out, the newest running request is preempted: its blocks and state slot are freed,
 it goes back to the front of the queue, and later its prompt plus the tokens it already generated are
 recomputed. A request never fails for cache pressure (the engine checks that one max_model_len sequence
-fits in the whole cache)."""
+fits in the whole cache).
+
+With prefix caching (deltaserve/cache/prefix_cache.py) a request is admitted after the longest prefix
+whose KV blocks and GDN snapshot are cached, and prompt chunks end on the request's snapshot points."""
 
 from __future__ import annotations
 
