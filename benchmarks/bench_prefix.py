@@ -82,11 +82,18 @@ def main() -> None:
         llm.generate([{"prompt_token_ids": tokens(random.Random(9), 300, vocab)}], OUT, use_tqdm=False)
 
     lines = [f"Checkpoint {name}; {machine()}; {datetime.date.today()}; 1 thread.", ""]
-    # (a)
-    t_plain, o_plain = chat_ttft(plain, vocab)
-    t_cached, o_cached = chat_ttft(cached, vocab)
-    assert o_plain == o_cached, "outputs differ with prefix caching"
-    lines += ["8-turn chat behind a 1,000-token system prompt: time to first token per turn (ms, wall clock)", "",
+    # (a) per turn the best of `rounds` conversations, each on fresh engines (a cached engine that saw the
+    # conversation would hit its first turn too)
+    t_plain = t_cached = None
+    for r in range(args.rounds):
+        p, c = (plain, cached) if r == 0 else (engine(args.model, False), engine(args.model, True))
+        tp, o_plain = chat_ttft(p, vocab)
+        tc, o_cached = chat_ttft(c, vocab)
+        assert o_plain == o_cached, "outputs differ with prefix caching"
+        t_plain = tp if t_plain is None else [min(a, b) for a, b in zip(t_plain, tp, strict=True)]
+        t_cached = tc if t_cached is None else [min(a, b) for a, b in zip(t_cached, tc, strict=True)]
+    lines += [f"8-turn chat behind a 1,000-token system prompt: time to first token per turn (ms, wall clock, best "
+              f"of {args.rounds} conversations)", "",
               "| turn | prompt tokens | no caching | caching | speedup |", "|---|---|---|---|---|"]
     n = 1000
     for i, (a, b) in enumerate(zip(t_plain, t_cached, strict=True)):

@@ -95,7 +95,9 @@ class CacheManager:
 
     def clip_chunk(self, request_id: str, start: int, num_tokens: int) -> int:
         """A prompt chunk of num_tokens from start, cut so it ends on the request's next snapshot point."""
-        return num_tokens if self.prefix is None else self.prefix.clip_chunk(request_id, start, num_tokens)
+        if self.prefix is None or num_tokens == 1:  # a decode (most calls) ends on its own token anyway
+            return num_tokens
+        return self.prefix.clip_chunk(request_id, start, num_tokens)
 
     def admitted(self, seq: TokenSequence, hit: PrefixHit) -> None:
         """seq was admitted with hit (after allocate succeeded): count it in the prefix cache stats."""
