@@ -36,7 +36,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for KV blocks + GDN state slots")
     p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV blocks and GDN state snapshots of prompts' common prefixes (default: on "
+                   "when the snapshot pool fits in the cache memory)")
+    p.add_argument("--mamba-cache-mode", default="none", choices=("none", "align", "all"),
+                   help="GDN state caching for prefix caching: align (snapshots at block boundaries; the "
+                   "mode whenever prefix caching is on); all is not supported")
+    p.add_argument("--mamba-block-size", type=int, default=None,
+                   help="tokens between GDN snapshots of a long prompt (default 32 blocks)")
     p.add_argument(
         "--speculative-config",
         type=json_object,
@@ -65,6 +72,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,
+        mamba_cache_mode=args.mamba_cache_mode,
+        mamba_block_size=args.mamba_block_size,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,

@@ -48,6 +48,11 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                    help="bfloat16 | float16 | float32 | fp8 "
                    "(default: fp8 for an FP8 checkpoint, else --dtype)")
     p.add_argument("--speculative", action="store_true", help="count the MTP head and its KV cache")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="count the GDN state snapshots of prefix caching, on by default in the engine "
+                   "(4 per sequence unless --num-gdn-snapshots)")
+    p.add_argument("--num-gdn-snapshots", type=int, default=None,
+                   help="GDN snapshots to count with --enable-prefix-caching (default 4 x max-num-seqs)")
     p.add_argument("--no-vision", action="store_true", help="leave the vision tower out of the weights")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="also report how many KV blocks fit in this much memory per rank")
@@ -56,9 +61,18 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from deltaserve.cache.sizing import default_num_snapshots
     from deltaserve.engine.planner import plan_memory
 
     try:
+        if args.num_gdn_snapshots is not None and not args.enable_prefix_caching:
+            raise ValueError("--num-gdn-snapshots counts prefix caching's snapshots; "
+                             "drop --no-enable-prefix-caching")
+        if args.num_gdn_snapshots is not None and args.num_gdn_snapshots < 1:
+            raise ValueError(f"--num-gdn-snapshots must be a positive integer, got {args.num_gdn_snapshots}")
+        snapshots = 0
+        if args.enable_prefix_caching:
+            snapshots = default_num_snapshots(args.max_num_seqs, args.num_gdn_snapshots)
         cfg, name = load_plan_config(args.model)
         plan = plan_memory(
             cfg,
@@ -72,6 +86,7 @@ def run_plan(args: argparse.Namespace) -> int:
             include_vision=not args.no_vision,
             dtype=args.dtype,
             model_name=name,
+            num_gdn_snapshots=snapshots,
         )
     except (ValueError, NotImplementedError) as e:  # ConfigError and UnsupportedFeatureError included
         print(f"deltaserve plan: error: {e}", file=sys.stderr)
@@ -158,13 +173,16 @@ def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
     row("conv per layer", plan.gdn_conv_bytes_per_layer)
     row(f"per sequence, {plan.num_gdn_layers} layers", plan.gdn_state_bytes_per_seq)
     row("all sequences", plan.gdn_state_bytes, f"({plan.max_num_seqs} slots)")
+    if plan.num_gdn_snapshots:
+        row("prefix-cache snapshots", plan.gdn_snapshot_bytes,
+            f"({plan.num_gdn_snapshots} snapshots of one slot each)")
     add("")
     copies = f" + fused copies {format_bytes(plan.fused_copy_bytes)}" if plan.fused_copy_bytes else ""
     add(f"Total per rank            {format_bytes(plan.total_bytes):>12}   "
         f"(weights {format_bytes(plan.weight_bytes)}{copies}, cache {format_bytes(plan.cache_bytes)}; "
         "activations not included)")
     if gpu_memory_bytes is not None:
-        free = gpu_memory_bytes - plan.weight_bytes - plan.gdn_state_bytes
+        free = gpu_memory_bytes - plan.weight_bytes - plan.gdn_state_bytes - plan.gdn_snapshot_bytes
         blocks = max(0, free) // plan.kv_bytes_per_block if plan.kv_bytes_per_block else 0
         add(f"With {format_bytes(gpu_memory_bytes)} per rank: {blocks:,} KV blocks fit after weights and "
             f"{plan.max_num_seqs} GDN slots = {blocks * plan.block_size:,} cached tokens, "

@@ -90,3 +90,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     spec: SpecDecodeMetrics | None = None  # speculative decoding counters, summed over the n sequences
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's name)

@@ -79,7 +79,13 @@ def test_stop_token_ids_and_eos(path: Path) -> None:
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(enable_prefix_caching=True), UnsupportedFeatureError, "enable_prefix_caching"),
+        (dict(enable_prefix_caching=True, mamba_cache_mode="all"), UnsupportedFeatureError,
+         "please use '--mamba-cache-mode=align' instead"),
+        (dict(mamba_cache_mode="align", enable_prefix_caching=False), EngineConfigError,
+         "drop enable_prefix_caching=False or mamba_cache_mode"),
+        (dict(mamba_cache_mode="some"), EngineConfigError, "mamba_cache_mode 'some' is not known"),
+        (dict(enable_prefix_caching=True, mamba_block_size=40), EngineConfigError,
+         "mamba_block_size=40 must be a multiple of block_size=16"),
         (
             dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
             EngineConfigError,

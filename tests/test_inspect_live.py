@@ -56,3 +56,24 @@ def test_steps_with_mtp_drafts(path: Path) -> None:
     assert spec["enabled"] and spec["num_draft_tokens"] > 0
     assert 0 < spec["acceptance_rate"] <= 1 and spec["mean_acceptance_length"] >= 1
     assert events[-1]["blocks"] == {} and events[-1]["slots"] == {}  # all freed at the end
+
+
+def test_steps_show_the_prefix_cache(path: Path) -> None:
+    llm = LLM(model=str(path), max_model_len=256, max_num_batched_tokens=64, enable_prefix_caching=True)
+    bus = StepEventBus(llm.engine)
+    loop = _watch(bus)
+    shared = list(range(3, 80))
+    try:
+        llm.generate([{"prompt_token_ids": shared}], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+        llm.generate([{"prompt_token_ids": shared + [5, 6]}, {"prompt_token_ids": shared + [7]}],
+                     SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    finally:
+        loop.close()
+    events = bus.since(0)
+    last = events[-1]["prefix"]
+    assert last["enabled"] and last["hits"] == 2 * 64 and last["queries"] == 77 + 79 + 78
+    assert last["snapshots"] >= 1 and last["snapshot_bytes"] > 0 and last["cached_blocks"] >= 4
+    assert any(e["prefix"]["shared_blocks"] == 4 for e in events)  # both hits hold the 4 prefix blocks
+    assert bus.status()["prefix"]["enabled"]
+    off = LLM(model=str(path), max_model_len=256, enable_prefix_caching=False)
+    assert StepEventBus(off.engine).status()["prefix"] == {"enabled": False}

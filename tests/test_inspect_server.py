@@ -212,6 +212,8 @@ def test_page_in_headless_chromium(server: str, tmp_path: Path) -> None:
             threading.Thread(target=_send_batch, args=(server, 4, 48), daemon=True).start()
             page.wait_for_selector("#live-step:not([data-running='0']) #budget-bar")
             page.wait_for_selector("#block-grid")
+            page.wait_for_selector("#prefix-stats")  # prefix caching is on by default
+            assert "GDN 快照" in page.text_content("#prefix-cache")
             page.screenshot(path=str(shots / "live_zh.png"), full_page=True)
         finally:
             browser.close()

@@ -86,51 +86,97 @@ def num_slots_for(
     return max(0, int(memory_bytes) // per_seq) if per_seq else 0
 
 
+def default_num_snapshots(max_num_seqs: int, num_gdn_snapshots: int | None = None) -> int:
+    """The GDN snapshot pool of prefix caching: num_gdn_snapshots, or 4 per sequence slot. A request saves
+    a snapshot at its prompt's end, at the end of a prefix it shares with an earlier one and every
+    mamba_block_size tokens; the pool should keep those of the last turns of every running conversation."""
+    return num_gdn_snapshots or 4 * max_num_seqs
+
+
 # ---- the engine's pools ---------------------------------------------------------------------------------
 @dataclass(slots=True)
 class CachePlan:
     num_blocks: int
     num_slots: int
     max_model_len: int
+    num_snapshots: int = 0  # GDN snapshots for prefix caching (0 without it)
 
 
 class CacheSizeError(ValueError):
     """The cache options cannot hold what they must; the message names the options and what would fit."""
 
 
-def plan_cache(
-    cfg: ModelConfig, kv_dtype: torch.dtype, *, block_size: int, max_num_seqs: int, max_model_len: int | None,
-    kv_cache_memory: int | None, num_kv_blocks: int | None, with_mtp: bool = False,
-) -> CachePlan:
-    """Split kv_cache_memory between max_num_seqs GDN state slots and as many KV blocks as fit, no more
-    than max_num_seqs sequences of max_model_len could use (num_kv_blocks forces the block count). Raise if
-    one max_model_len sequence does not fit, since then a lone request could never complete."""
-    bs = block_size
-    slots = max_num_seqs
-    block_bytes = kv_bytes_per_block(cfg, bs, kv_dtype, with_mtp)
-    slot_bytes = gdn_state_bytes_per_seq(
-        cfg, kv_dtype, ssm_dtype=torch.float32
-    )  # allocate_cache keeps it fp32
-    memory = kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-    if num_kv_blocks is not None:
-        available = num_kv_blocks
+@dataclass(slots=True)
+class CacheOptions:
+    """The engine options that size its cache pools."""
+
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int | None
+    kv_cache_memory: int | None
+    num_kv_blocks: int | None  # forces the block count (tests of cache pressure)
+    enable_prefix_caching: bool | None  # None: on where its snapshot pool costs no max_model_len
+    num_gdn_snapshots: int | None = None
+
+    @classmethod
+    def of(cls, config) -> CacheOptions:
+        """The options from an object with these fields by name (the engine's EngineConfig)."""
+        return cls(**{f: getattr(config, f) for f in cls.__dataclass_fields__})
+
+
+def plan_cache(cfg: ModelConfig, kv_dtype: torch.dtype, opts: CacheOptions, with_mtp: bool = False) -> CachePlan:
+    """Split kv_cache_memory between max_num_seqs GDN state slots, the GDN snapshot pool of prefix
+    caching (one slot's size each) and as many KV blocks as fit, no more than max_num_seqs sequences of
+    max_model_len could use. Raise if one max_model_len sequence does not fit, since then a lone request
+    could never complete. Prefix caching left to its default is on only where its snapshot pool costs
+    nothing else: the same max_model_len still fits."""
+    on = opts.enable_prefix_caching
+    snapshots = 0 if on is False else default_num_snapshots(opts.max_num_seqs, opts.num_gdn_snapshots)
+    if on is None and opts.num_kv_blocks is None:
+        plain = _plan_cache(cfg, kv_dtype, opts, with_mtp, 0)
+        try:
+            plan = _plan_cache(cfg, kv_dtype, opts, with_mtp, snapshots)
+        except CacheSizeError:
+            plan = None
+        if plan is None or plan.max_model_len < plain.max_model_len:
+            log.warning(
+                "prefix caching is off: kv_cache_memory=%d bytes cannot hold its %d GDN snapshots beside the "
+                "state slots and one max_model_len sequence; raise kv_cache_memory or set num_gdn_snapshots",
+                opts.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, snapshots,
+            )
+            plan = plain
     else:
-        if slots * slot_bytes > memory:
+        plan = _plan_cache(cfg, kv_dtype, opts, with_mtp, snapshots)
+    if opts.max_model_len is None and plan.max_model_len < cfg.max_position_embeddings:
+        log.warning("max_model_len set to %d (the cache holds no more); the model allows %d",
+                    plan.max_model_len, cfg.max_position_embeddings)
+    return plan
+
+
+def _plan_cache(
+    cfg: ModelConfig, kv_dtype: torch.dtype, opts: CacheOptions, with_mtp: bool, snapshots: int
+) -> CachePlan:
+    bs = opts.block_size
+    slots = opts.max_num_seqs
+    block_bytes = kv_bytes_per_block(cfg, bs, kv_dtype, with_mtp)
+    slot_bytes = gdn_state_bytes_per_seq(cfg, kv_dtype, ssm_dtype=torch.float32)  # allocate_cache keeps it fp32
+    memory = opts.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+    if opts.num_kv_blocks is not None:
+        available = opts.num_kv_blocks
+    else:
+        states = (slots + snapshots) * slot_bytes
+        if states > memory:
+            with_snapshots = f" and {snapshots} prefix-caching snapshots" if snapshots else ""
             raise CacheSizeError(
                 f"kv_cache_memory={memory} bytes cannot hold the GDN states of max_num_seqs={slots} "
-                f"sequences ({slots * slot_bytes} bytes); raise kv_cache_memory or lower max_num_seqs"
+                f"sequences{with_snapshots} ({states} bytes); raise kv_cache_memory or lower max_num_seqs"
+                + (" / num_gdn_snapshots" if snapshots else "")
             )
-        available = (memory - slots * slot_bytes) // max(block_bytes, 1)
-    max_len = max_model_len
+        available = (memory - states) // max(block_bytes, 1)
+    max_len = opts.max_model_len
     if max_len is None:
-        # The model's own limit, shortened (with a warning) to what one sequence can hold in this cache.
+        # The model's own limit, shortened (plan_cache warns) to what one sequence can hold in this cache.
         max_len = min(cfg.max_position_embeddings, available * bs)
-        if max_len < cfg.max_position_embeddings:
-            log.warning(
-                "max_model_len set to %d (the cache holds no more); the model allows %d",
-                max_len,
-                cfg.max_position_embeddings,
-            )
     elif max_len > cfg.max_position_embeddings:
         raise CacheSizeError(
             f"max_model_len={max_len} exceeds the model's max_position_embeddings "
@@ -142,5 +188,5 @@ def plan_cache(
             f"the KV cache has {available} blocks of {bs} tokens but one sequence of max_model_len={max_len} "
             f"needs {per_seq}; raise kv_cache_memory / num_kv_blocks or lower max_model_len"
         )
-    blocks = available if num_kv_blocks is not None else min(available, slots * per_seq)
-    return CachePlan(num_blocks=blocks, num_slots=slots, max_model_len=max_len)
+    blocks = available if opts.num_kv_blocks is not None else min(available, slots * per_seq)
+    return CachePlan(num_blocks=blocks, num_slots=slots, max_model_len=max_len, num_snapshots=snapshots)

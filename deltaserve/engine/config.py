@@ -27,7 +27,15 @@ class EngineConfig:
     # Bytes for KV blocks + GDN state slots; capped by what max_num_seqs sequences of max_model_len need.
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None  # force the block count (tests of cache pressure); overrides memory
-    enable_prefix_caching: bool = False
+    # Reuse cached prefixes (KV blocks + GDN snapshots). None (the default): on, unless the snapshot pool
+    # does not fit in kv_cache_memory (then off, with a warning); True: on, and that is an error.
+    enable_prefix_caching: bool | None = None
+    # How GDN state is cached for prefix caching (vLLM's flag): "align" snapshots it at block boundaries;
+    # "none" means align once prefix caching is on (as vLLM sets it for this family); "all" is refused.
+    mamba_cache_mode: str = "none"
+    # Tokens between GDN snapshots of a long prompt (vLLM's name; a multiple of block_size). None: 32 blocks.
+    mamba_block_size: int | None = None
+    num_gdn_snapshots: int | None = None  # GDN snapshot pool size (default 4 * max_num_seqs)
     speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
@@ -67,11 +75,7 @@ class EngineConfig:
             engine_kv_cache_dtype(self.kv_cache_dtype)
         except ValueError as e:
             raise EngineConfigError(str(e)) from None
-        if self.enable_prefix_caching:
-            raise UnsupportedFeatureError(
-                "enable_prefix_caching=True is not supported yet (GDN layers need 'align' state snapshots); "
-                "run with enable_prefix_caching=False"
-            )
+        self._check_prefix_caching()
         if self.speculative_config is not None:
             validate_speculative_config(self.speculative_config)
         if self.tensor_parallel_size != 1:
@@ -79,7 +83,33 @@ class EngineConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size} is not supported on this engine; use 1"
             )
 
+    def _check_prefix_caching(self) -> None:
+        for name in ("mamba_block_size", "num_gdn_snapshots"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise EngineConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise EngineConfigError(
+                f"mamba_cache_mode {self.mamba_cache_mode!r} is not known; accepted: {', '.join(MAMBA_CACHE_MODES)}"
+            )
+        if self.mamba_cache_mode == "all":
+            raise UnsupportedFeatureError(
+                "this model does not support 'all' prefix caching, please use '--mamba-cache-mode=align' instead"
+            )
+        if self.mamba_cache_mode == "align" and self.enable_prefix_caching is False:
+            raise EngineConfigError("mamba_cache_mode='align' caches GDN states for prefix caching; "
+                                    "drop enable_prefix_caching=False or mamba_cache_mode")
+        if self.mamba_block_size is None:
+            self.mamba_block_size = 32 * self.block_size
+        if self.mamba_block_size % self.block_size:
+            raise EngineConfigError(
+                f"mamba_block_size={self.mamba_block_size} must be a multiple of block_size={self.block_size}"
+            )
+        if self.enable_prefix_caching is not False:
+            self.mamba_cache_mode = "align"
 
+
+MAMBA_CACHE_MODES = ("none", "align", "all")
 SPEC_METHODS = ("mtp",)
 
 

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 
 from deltaserve.cache.manager import CacheManager, CacheUsage
-from deltaserve.cache.sizing import CacheSizeError, plan_cache
+from deltaserve.cache.prefix_cache import PrefixCacheStats
+from deltaserve.cache.sizing import CacheOptions, CacheSizeError, plan_cache
+from deltaserve.cache.snapshots import SnapshotPool
 from deltaserve.cache.tensors import allocate_cache
 from deltaserve.engine.config import EngineConfig, EngineConfigError
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
@@ -57,6 +59,7 @@ class EngineStats:
     prompt_tokens: int  # tokens run through the model as prompt/recompute chunks, all steps
     generation_tokens: int  # tokens sampled, all steps
     spec: SpecDecodeMetrics | None = None  # speculative decoding counters (None without speculation)
+    prefix_cache: PrefixCacheStats | None = None  # prefix cache counters (None without prefix caching)
 
 
 class LLMEngine:
@@ -80,18 +83,17 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else TORCH_DTYPES[config.kv_cache_dtype]
         try:
-            plan = plan_cache(
-                self.model_config, kv_dtype, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-                max_model_len=config.max_model_len, kv_cache_memory=config.kv_cache_memory,
-                num_kv_blocks=config.num_kv_blocks, with_mtp=k > 0,
-            )
+            plan = plan_cache(self.model_config, kv_dtype, CacheOptions.of(config), with_mtp=k > 0)
         except CacheSizeError as e:
             raise EngineConfigError(str(e)) from None
         self.max_model_len = plan.max_model_len
         self.cache_tensors = allocate_cache(
             self.model_config, plan.num_blocks, config.block_size, plan.num_slots, kv_dtype, with_mtp=k > 0
         )
-        self.cache = CacheManager(plan.num_blocks, config.block_size, plan.num_slots)
+        snapshots = SnapshotPool(self.cache_tensors, plan.num_snapshots) if plan.num_snapshots else None
+        self.cache = CacheManager(
+            plan.num_blocks, config.block_size, plan.num_slots, snapshots, config.mamba_block_size, with_mtp=k > 0
+        )
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
@@ -133,7 +135,8 @@ class LLMEngine:
         prompt: str | list[int] | dict[str, Any],
         params: SamplingParams | None = None,
     ) -> None:
-        """Queue a request. prompt: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": text}."""
+        """Queue a request. prompt: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": text}; a dict
+        may carry "cache_salt" (vLLM's): only prompts with the same salt share cached prefixes."""
         params = params or SamplingParams()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         # The cache is keyed by the sequence ids: two live sequences with one id would share blocks and a slot.
@@ -142,6 +145,9 @@ class LLMEngine:
             raise ValueError(f"request_id {taken[0]!r} is already in use")
         text, ids = self._tokenize(prompt)
         self._validate_prompt(ids)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
         validate_params_for_vocab(params, self.model_config.vocab_size)
         group = RequestGroup(request_id, text, ids, params)
         for i, child_id in enumerate(child_ids):
@@ -158,6 +164,7 @@ class LLMEngine:
                 index=i,
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
+                cache_salt=salt,
             )
             req.sampling.output_token_ids = req.output_token_ids  # one list: penalties read what we append
             if self.spec_metrics is not None:
@@ -274,6 +281,7 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             spec=None if self.spec_metrics is None else copy.deepcopy(self.spec_metrics),
+            prefix_cache=None if self.cache.prefix is None else copy.copy(self.cache.prefix.stats),
         )
 
 

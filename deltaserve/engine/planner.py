@@ -258,6 +258,9 @@ class MemoryPlan:
     gdn_conv_bytes_per_layer: int
     gdn_state_bytes_per_seq: int
     gdn_state_bytes: int
+    # GDN state snapshots of prefix caching (per rank): each the size of one slot
+    num_gdn_snapshots: int = 0
+    gdn_snapshot_bytes: int = 0
     # weights (per rank)
     weight_parts: list[WeightPart] = field(default_factory=list)
     weight_bytes: int = 0
@@ -271,7 +274,7 @@ class MemoryPlan:
 
     @property
     def cache_bytes(self) -> int:
-        return self.kv_cache_bytes + self.gdn_state_bytes
+        return self.kv_cache_bytes + self.gdn_state_bytes + self.gdn_snapshot_bytes
 
 
 def plan_memory(
@@ -286,9 +289,11 @@ def plan_memory(
     include_vision: bool = True,
     dtype: str | torch.dtype | None = None,
     model_name: str = "",
+    num_gdn_snapshots: int = 0,
 ) -> MemoryPlan:
     """Worst-case memory per TP rank for max_num_seqs sequences of max_model_len tokens each: every sequence
-    holds ceil(max_model_len / block_size) KV blocks and one GDN state slot. `dtype` is the activation /
+    holds ceil(max_model_len / block_size) KV blocks and one GDN state slot; prefix caching adds
+    num_gdn_snapshots GDN state snapshots. `dtype` is the activation /
     model dtype (default the config's); it sets 'auto' KV and the conv state."""
     sizes = (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs), ("block_size", block_size))
     for name, value in sizes:
@@ -329,6 +334,7 @@ def plan_memory(
         kv_cache_bytes=num_blocks * per_block,
         gdn_recurrent_bytes_per_layer=rec, gdn_conv_bytes_per_layer=conv, gdn_state_bytes_per_seq=per_seq,
         gdn_state_bytes=per_seq * max_num_seqs,
+        num_gdn_snapshots=num_gdn_snapshots, gdn_snapshot_bytes=per_seq * num_gdn_snapshots,
         weight_parts=parts, weight_bytes=weight_bytes, text_params=text_params,
         mtp_params=by_name["MTP"].total_params if "MTP" in by_name else 0,
         vision_params=by_name["vision tower"].total_params if "vision tower" in by_name else 0,
@@ -336,5 +342,5 @@ def plan_memory(
     )
     if tp == 1 and wdtype == "float32" and normalize_dtype(cfg.torch_dtype) == "bfloat16":
         plan.fused_copy_bytes = fused_copy_bytes(cfg, with_mtp)
-    plan.total_bytes = plan.weight_bytes + plan.fused_copy_bytes + plan.kv_cache_bytes + plan.gdn_state_bytes
+    plan.total_bytes = plan.weight_bytes + plan.fused_copy_bytes + plan.cache_bytes
     return plan

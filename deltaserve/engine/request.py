@@ -55,6 +55,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens (prompt then output) whose K/V and GDN state the cache holds; the rest are still to compute.
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens a prefix cache hit supplied when first scheduled
+    cache_salt: str | None = None  # keeps this prompt's cached prefix apart from other salts' (vLLM's)
     text: str = ""
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
@@ -155,4 +157,5 @@ class RequestGroup:
             outputs=[c.completion() for c in self.children],
             finished=self.finished,
             metrics=metrics,
+            num_cached_tokens=self.children[0].num_cached_tokens,
         )

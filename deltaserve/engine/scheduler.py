@@ -15,7 +15,10 @@ its results (tokens, accepted drafts, the next drafts, computed-token counts, fi
 When the KV blocks run out, the newest running request is preempted: its blocks and state slot are freed,
 it goes back to the front of the queue, and later its prompt plus the tokens it already generated are
 recomputed. A request never fails for cache pressure (the engine checks that one max_model_len sequence
-fits in the whole cache)."""
+fits in the whole cache).
+
+With prefix caching (deltaserve/cache/prefix_cache.py) a request is admitted after the longest prefix
+whose KV blocks and GDN snapshot are cached, and prompt chunks end on the request's snapshot points."""
 
 from __future__ import annotations
 
@@ -102,7 +105,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_pending_tokens, budget)
+            n = self.cache.clip_chunk(req.request_id, req.num_computed_tokens, min(req.num_pending_tokens, budget))
             drafts = 0
             if req.spec_token_ids and req.num_pending_tokens == 1:
                 # Verify 1 + k tokens; drafts beyond the budget are dropped, not postponed (stale next step).
@@ -127,14 +130,20 @@ class Scheduler:
         # Nothing new joins while running requests were just evicted for space: they come back first.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            n = min(req.num_pending_tokens, budget)
-            if not self.cache.allocate(req.request_id, req.num_computed_tokens + n):
+            # Prefix caching: start after the longest cached prefix (blocks + GDN snapshot), if any.
+            hit = self.cache.lookup_prefix(req)
+            start = req.num_computed_tokens + hit.num_tokens
+            n = self.cache.clip_chunk(req.request_id, start, min(req.num_tokens - start, budget))
+            if not self.cache.allocate(req.request_id, start + n, hit):
                 break
+            req.num_computed_tokens = start
+            self.cache.admitted(req, hit)
             self._reserve_lookahead(req, n)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
+                req.num_cached_tokens = hit.num_tokens
             self.running.append(req)
             scheduled.append(self._entry(req, n))
             budget -= n
@@ -163,6 +172,8 @@ class Scheduler:
                 if s.kind != DECODE:
                     self.prompt_tokens += s.num_tokens
             req.spec_token_ids, req.spec_draft_probs = out.drafts.get(req.request_id, ([], []))
+        # Prefix caching: snapshots and newly full blocks, before a finishing request frees its blocks.
+        self.cache.after_step([(s.request, s.context_len) for s in sched.scheduled])
         emitted: list[tuple[str, list[int], list]] = [
             (rid, v.token_ids, v.logprobs) for rid, v in out.verified.items()
         ]

@@ -45,6 +45,19 @@ def spec_view(engine: Any, stats: Any) -> dict[str, Any]:
     return out
 
 
+def prefix_view(engine: Any, stats: Any) -> dict[str, Any]:
+    """Prefix caching: vLLM's query / hit counters (tokens), cached and shared KV blocks, the snapshot pool."""
+    pc = getattr(stats, "prefix_cache", None)
+    if pc is None:
+        return {"enabled": False}
+    c = stats.cache
+    return {"enabled": True, "requests": pc.requests, "queries": pc.queries, "hits": pc.hits,
+            "hit_rate": pc.hits / pc.queries if pc.queries else 0.0,
+            "cached_blocks": c.cached_blocks, "shared_blocks": c.shared_blocks,
+            "snapshots": c.used_snapshots, "total_snapshots": c.total_snapshots,
+            "snapshot_bytes": c.snapshot_bytes}
+
+
 def snapshot(engine: Any, sched: Any) -> dict[str, Any]:
     """One step as plain data, read on the engine thread right after the step (nothing moves meanwhile)."""
     sch = engine.scheduler
@@ -65,7 +78,7 @@ def snapshot(engine: Any, sched: Any) -> dict[str, Any]:
         "num_blocks": stats.cache.total_blocks, "num_slots": stats.cache.total_slots,
         "blocks": blocks, "slots": slots,
         "prompt_tokens": stats.prompt_tokens, "generation_tokens": stats.generation_tokens,
-        "spec": spec_view(engine, stats),
+        "spec": spec_view(engine, stats), "prefix": prefix_view(engine, stats),
     }
 
 
@@ -119,6 +132,7 @@ class StepEventBus:
             "num_slots": stats.cache.total_slots, "block_size": e.cache.block_size,
             "num_waiting": stats.num_waiting, "num_running": stats.num_running,
             "num_preemptions": stats.num_preemptions, "spec": spec_view(e, stats),
+            "prefix": prefix_view(e, stats),
         }
 
     async def watch(self, max_batch_interval: float = 0.1, keepalive: float = 10.0

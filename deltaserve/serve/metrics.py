@@ -75,6 +75,18 @@ class ServerMetrics:
         self.slot_used = gauge("gdn_state_used_slots", "GDN recurrent-state slots in use.")
         self.slot_total = gauge("gdn_state_total_slots", "GDN recurrent-state slots in the pool.")
         self.preemptions = gauge("num_preemptions", "Preemptions since start (cumulative).")
+        # Prefix caching (vLLM's counters, in tokens) and the GDN snapshot pool it keeps.
+        self.prefix_queries = Counter(
+            "deltaserve:prefix_cache_queries", "Prefix cache queries, in tokens looked up at admission.",
+            labels, registry=r,
+        ).labels(model_name)
+        self.prefix_hits = Counter(
+            "deltaserve:prefix_cache_hits", "Prefix cache hits, in cached tokens reused.", labels, registry=r
+        ).labels(model_name)
+        self.snapshot_bytes = gauge("gdn_snapshot_memory_bytes", "Memory of the GDN state snapshots held for "
+                                    "prefix caching (bytes).")
+        self.snapshot_used = gauge("gdn_snapshot_used", "GDN state snapshots held for prefix caching.")
+        self._prefix_seen = (0, 0)
         self.prompt_tokens = Counter(
             "deltaserve:prompt_tokens", "Prompt tokens of requests that started.", labels, registry=r
         ).labels(model_name)
@@ -147,6 +159,13 @@ class ServerMetrics:
         if s.generation_tokens > self._generation_seen:
             self.generation_tokens.inc(s.generation_tokens - self._generation_seen)
             self._generation_seen = s.generation_tokens
+        if s.prefix_cache is not None:
+            queries, hits = s.prefix_cache.queries, s.prefix_cache.hits
+            self.prefix_queries.inc(queries - self._prefix_seen[0])
+            self.prefix_hits.inc(hits - self._prefix_seen[1])
+            self._prefix_seen = (queries, hits)
+            self.snapshot_bytes.set(c.snapshot_bytes)
+            self.snapshot_used.set(c.used_snapshots)
         if s.spec is not None:
             values = {name: getattr(s.spec, name) for name in self._spec}
             values |= {f"pos{i}": n for i, n in enumerate(s.spec.accepted_per_position)}

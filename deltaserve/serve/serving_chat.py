@@ -22,6 +22,7 @@ from deltaserve.serve.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    PromptTokensDetails,
     UsageInfo,
     random_id,
 )
@@ -53,6 +54,7 @@ def _usage(out: RequestOutput) -> UsageInfo:
         prompt_tokens=len(out.prompt_token_ids),
         completion_tokens=completion,
         total_tokens=len(out.prompt_token_ids) + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
     )
 
 

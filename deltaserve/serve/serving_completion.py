@@ -20,6 +20,7 @@ from deltaserve.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    PromptTokensDetails,
     UsageInfo,
     random_id,
 )
@@ -66,7 +67,9 @@ def prepare_completion(engine: AsyncEngine, req: CompletionRequest) -> tuple[str
 def _usage(outs: list[RequestOutput]) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outs))
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=cached)
 
 
 def completion_response(

@@ -69,7 +69,8 @@ function historyChart() {
 
 function blockGrid(ev) {
   const owner = new Array(ev.num_blocks).fill(null);
-  for (const [rid, blocks] of Object.entries(ev.blocks)) for (const b of blocks) owner[b] = rid;
+  const holders = new Array(ev.num_blocks).fill(0); // > 1: a prefix block shared by several requests
+  for (const [rid, blocks] of Object.entries(ev.blocks)) for (const b of blocks) { owner[b] = rid; holders[b] += 1; }
   const cell = ev.num_blocks > 2000 ? 4 : 10;
   const cols = Math.max(1, Math.floor(900 / cell));
   const canvas = el("canvas", { id: "block-grid", width: cols * cell, height: Math.ceil(ev.num_blocks / cols) * cell });
@@ -77,6 +78,10 @@ function blockGrid(ev) {
   owner.forEach((rid, b) => {
     ctx.fillStyle = rid === null ? "#e6e9ee" : idColor(rid);
     ctx.fillRect((b % cols) * cell, Math.floor(b / cols) * cell, cell - 1, cell - 1);
+    if (holders[b] > 1) {
+      ctx.strokeStyle = "#111";
+      ctx.strokeRect((b % cols) * cell + 0.5, Math.floor(b / cols) * cell + 0.5, cell - 2, cell - 2);
+    }
   });
   return canvas;
 }
@@ -103,7 +108,14 @@ export function render() {
       : el("p", { id: "mtp-stats" }, `${t("acceptance")}: ${spec.acceptance_rate !== undefined ? (spec.acceptance_rate * 100).toFixed(1) + "%" : "—"}`,
         ` · mean acceptance length ${spec.mean_acceptance_length?.toFixed(2) ?? "—"} · drafts ${spec.num_drafts ?? 0}`,
         ` · accepted per position [${(spec.accepted_per_position || []).join(", ")}] · ${JSON.stringify(spec.config)}`));
-  if (!ev) { out().replaceChildren(head, el("p", { class: "panel muted" }, t("idle")), mtp); return; }
+  const pc = (ev || status)?.prefix;
+  const mib = (n) => `${(n / 1048576).toFixed(2)} MiB`;
+  const prefix = el("div", { class: "panel", id: "prefix-cache" }, el("h3", {}, t("prefix_title")),
+    !pc || !pc.enabled ? el("p", { class: "muted" }, t("not_enabled"))
+      : el("p", { id: "prefix-stats" }, `${t("prefix_hits")}: ${pc.hits} / ${pc.queries} tokens (${(pc.hit_rate * 100).toFixed(1)}%)`,
+        ` · ${t("cached_blocks")} ${pc.cached_blocks} · ${t("shared_blocks")} ${pc.shared_blocks}`,
+        ` · ${t("snapshots")} ${pc.snapshots}/${pc.total_snapshots} (${mib(pc.snapshot_bytes)})`));
+  if (!ev) { out().replaceChildren(head, el("p", { class: "panel muted" }, t("idle")), mtp, prefix); return; }
   const counts = { prefill: 0, decode: 0, drafts: 0 };
   ev.scheduled.forEach((s) => {
     if (s.kind === "prefill") counts.prefill += s.n;
@@ -123,5 +135,5 @@ export function render() {
     cache.append(el("h3", {}, `${t("blocks_title")} · ${used}/${last.num_blocks} · ${t("step")} ${last.step}`), blockGrid(last),
       el("h3", {}, `${t("slots_title")} · ${Object.keys(last.slots).length}/${last.num_slots}`), slotRow(last));
   }
-  out().replaceChildren(head, stepPanel, cache, mtp);
+  out().replaceChildren(head, stepPanel, cache, mtp, prefix);
 }
