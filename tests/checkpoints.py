@@ -117,13 +117,25 @@ def tied_odd_pattern_model(seed: int = 2):
     return random_hf_model(dict(TINY, num_hidden_layers=5), seed=seed, tie=True, layer_types=pattern)
 
 
-def random_mtp_tensors(shape: dict, seed: int = 1) -> dict[str, torch.Tensor]:
-    """mtp.* tensors for the official layout: fc, two pre-fc norms, one attention decoder layer, norm."""
+def random_mtp_tensors(shape: dict, seed: int = 1, moe: dict | None = None) -> dict[str, torch.Tensor]:
+    """mtp.* tensors for the official layout: fc, two pre-fc norms, one attention decoder layer, norm. With
+    `moe` (e.g. MOE) the layer's MLP is sparse, as in the MoE releases: router, experts one tensor each,
+    shared expert and its gate."""
     g = torch.Generator().manual_seed(seed)
-    H, I = shape["hidden_size"], shape["intermediate_size"]
+    H, I = shape["hidden_size"], shape.get("intermediate_size", 0)
     nh, nkv, hd = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     r = lambda *s, scale=0.08: torch.randn(*s, generator=g) * scale  # noqa: E731
     p = "mtp.layers.0."
+    if moe:
+        E, Ie, Is = moe["num_experts"], moe["moe_intermediate_size"], moe["shared_expert_intermediate_size"]
+        mlp = {"mlp.gate.weight": r(E, H, scale=0.6), "mlp.shared_expert_gate.weight": r(1, H),
+               "mlp.shared_expert.gate_proj.weight": r(Is, H), "mlp.shared_expert.up_proj.weight": r(Is, H),
+               "mlp.shared_expert.down_proj.weight": r(H, Is)}
+        for e in range(E):
+            mlp.update({f"mlp.experts.{e}.gate_proj.weight": r(Ie, H), f"mlp.experts.{e}.up_proj.weight": r(Ie, H),
+                        f"mlp.experts.{e}.down_proj.weight": r(H, Ie)})
+    else:
+        mlp = {"mlp.gate_proj.weight": r(I, H), "mlp.up_proj.weight": r(I, H), "mlp.down_proj.weight": r(H, I)}
     return {
         "mtp.fc.weight": r(H, 2 * H),
         "mtp.pre_fc_norm_embedding.weight": r(H, scale=0.2),
@@ -137,23 +149,28 @@ def random_mtp_tensors(shape: dict, seed: int = 1) -> dict[str, torch.Tensor]:
         p + "self_attn.o_proj.weight": r(H, nh * hd),
         p + "self_attn.q_norm.weight": r(hd, scale=0.2),
         p + "self_attn.k_norm.weight": r(hd, scale=0.2),
-        p + "mlp.gate_proj.weight": r(I, H),
-        p + "mlp.up_proj.weight": r(I, H),
-        p + "mlp.down_proj.weight": r(H, I),
+        **{p + k: v for k, v in mlp.items()},
     }
 
 
-def fuse_experts(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' save writes one tensor per expert; the bf16 releases keep the 3-D tensors of the model
-    (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]): swap the former for the latter."""
-    out = {k: v for k, v in tensors.items() if not PER_EXPERT.search(k)}
-    for name, p in model.named_parameters():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            out[name] = p.detach().clone()
+def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' save writes one tensor per expert (`X.experts.N.gate_proj.weight`, up, down); the bf16
+    releases keep 3-D tensors (`X.experts.gate_up_proj` [E, 2I, H], `X.experts.down_proj` [E, H, I])."""
+    out, groups = {}, {}
+    for name, t in tensors.items():
+        m = PER_EXPERT.match(name)
+        if m:
+            groups.setdefault(m["experts"], {})[(int(m["e"]), m["proj"])] = t
+        else:
+            out[name] = t
+    for experts, parts in groups.items():
+        n = 1 + max(e for e, _ in parts)
+        out[f"{experts}.gate_up_proj"] = torch.stack([torch.cat([parts[e, "gate"], parts[e, "up"]]) for e in range(n)])
+        out[f"{experts}.down_proj"] = torch.stack([parts[e, "down"] for e in range(n)])
     return out
 
 
-PER_EXPERT = re.compile(r"\.experts\.\d+\.")
+PER_EXPERT = re.compile(r"^(?P<experts>(.+\.)?experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 
 
 def save_causal_lm_layout(model, path: Path, mtp: dict[str, torch.Tensor] | None = None,
@@ -163,7 +180,7 @@ def save_causal_lm_layout(model, path: Path, mtp: dict[str, torch.Tensor] | None
     model.save_pretrained(path)
     if mtp or fused_experts:
         tensors = load_file(str(path / "model.safetensors"))
-        tensors = fuse_experts(model, tensors) if fused_experts else tensors
+        tensors = fuse_experts(tensors) if fused_experts else tensors
         tensors.update(mtp or {})
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
     if mtp:
@@ -180,7 +197,7 @@ def save_official_layout(model, path: Path, mtp: dict[str, torch.Tensor] | None 
     tmp = path / "_hf"
     model.save_pretrained(tmp)
     tensors = load_file(str(tmp / "model.safetensors"))
-    tensors = fuse_experts(model, tensors) if fused_experts else tensors
+    tensors = fuse_experts(tensors) if fused_experts else tensors
     out = {}
     for name, t in tensors.items():
         out[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name] = t
