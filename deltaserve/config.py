@@ -268,8 +268,6 @@ class ModelConfig:
             "linear_value_head_dim", "linear_conv_kernel_dim",
         ):
             positive(name)
-        if self.dense_layer_ids or (self.mtp_num_hidden_layers and not self.is_moe):
-            positive("intermediate_size")
         if self.is_moe:
             for name in MOE_FIELDS:
                 positive(name)
@@ -285,6 +283,8 @@ class ModelConfig:
                     f"mlp_only_layers {self.mlp_only_layers} names layer(s) {bad} outside "
                     f"0..{self.num_hidden_layers - 1}"
                 )
+        if self.dense_layer_ids:
+            positive("intermediate_size")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

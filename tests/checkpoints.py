@@ -220,3 +220,16 @@ def save_official_layout(model, path: Path, mtp: dict[str, torch.Tensor] | None 
         f.unlink()
     tmp.rmdir()
     return path
+
+
+def quantize_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 2-D weight as FP8 block quantization stores it: E4M3 values, one scale_inv per block (the block's
+    max |w| / 448), and the weight they dequantize to."""
+    rows, cols = (w.shape[0] + block - 1) // block, (w.shape[1] + block - 1) // block
+    padded = torch.zeros(rows * block, cols * block)
+    padded[: w.shape[0], : w.shape[1]] = w
+    amax = padded.view(rows, block, cols, block).abs().amax(dim=(1, 3)).clamp(min=1e-6)
+    scale_inv = amax / 448.0
+    full = scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    q = (padded / full).to(torch.float8_e4m3fn)[: w.shape[0], : w.shape[1]].contiguous()
+    return q, scale_inv, q.float() * full[: w.shape[0], : w.shape[1]]
