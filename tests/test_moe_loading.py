@@ -144,13 +144,20 @@ def test_both_layouts_at_once_is_an_error(moe_checkpoint, tmp_path):
         load_model(dst)
 
 
-def test_fp8_per_expert_tensors_are_dequantized(moe_checkpoint, tmp_path):
-    _, path = moe_checkpoint
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused-3d"])
+def test_fp8_expert_tensors_are_dequantized(moe_checkpoint, tmp_path, fused):
+    """Per-expert FP8 tensors (the FP8 releases) with their weight_scale_inv, and fused 3-D ones with one
+    block-scale grid per expert (x_scale_inv), dequantize into the same parameters."""
+    hf, path = moe_checkpoint
+    if fused:
+        path = save_official_layout(hf, tmp_path / "fused", fused_experts=True)
     block, expected = 16, {}
 
     def quantize(tensors):
         for name in [n for n in tensors if ".experts." in n]:
-            tensors[name], tensors[name + "_scale_inv"], expected[name] = quantize_fp8(tensors[name], block)
+            parts = [quantize_fp8(w, block) for w in (tensors[name] if fused else [tensors[name]])]
+            q, scale, deq = (torch.stack(x) for x in zip(*parts, strict=True)) if fused else parts[0]
+            tensors[name], tensors[name + "_scale_inv"], expected[name] = q, scale, deq
 
     dst = copy_with(tmp_path, path, quantize)
     config = json.loads((dst / "config.json").read_text())
@@ -159,9 +166,15 @@ def test_fp8_per_expert_tensors_are_dequantized(moe_checkpoint, tmp_path):
     model = load_model(dst, dtype="float32")
     experts = model.model.layers[1].mlp.experts
     inter = MOE["moe_intermediate_size"]
-    assert torch.equal(experts.gate_up_proj[2, :inter], expected[f"{EXPERT}2.gate_proj.weight"])
-    assert torch.equal(experts.gate_up_proj[2, inter:], expected[f"{EXPERT}2.up_proj.weight"])
-    assert torch.equal(experts.down_proj[7], expected[f"{EXPERT}7.down_proj.weight"])
+    if fused:
+        assert torch.equal(experts.gate_up_proj, expected[f"{EXPERT}gate_up_proj"])
+        assert torch.equal(experts.down_proj, expected[f"{EXPERT}down_proj"])
+    else:
+        assert torch.equal(experts.gate_up_proj[2, :inter], expected[f"{EXPERT}2.gate_proj.weight"])
+        assert torch.equal(experts.gate_up_proj[2, inter:], expected[f"{EXPERT}2.up_proj.weight"])
+        assert torch.equal(experts.down_proj[7], expected[f"{EXPERT}7.down_proj.weight"])
+    assert not torch.equal(experts.down_proj, hf.model.layers[1].mlp.experts.down_proj)  # really rounded
+    torch.testing.assert_close(experts.down_proj, hf.model.layers[1].mlp.experts.down_proj, atol=0.02, rtol=0.1)
     assert torch.isfinite(logits(model, torch.arange(10))).all()
 
 

@@ -125,7 +125,7 @@ def load_model(
     unexpected = []
     arch = cfg.architecture
     for name in names:
-        if name.endswith(".weight_scale_inv") and fp8:
+        if name.endswith("_scale_inv") and fp8:
             continue
         if name.startswith("mtp.") and not load_mtp:
             continue
@@ -155,9 +155,7 @@ def load_model(
     with torch.no_grad():
         for name, tensor in iter_tensors(path, names, list(wanted)):
             if fp8 and tensor.dtype == torch.float8_e4m3fn:
-                # weight -> weight_scale_inv; a fused 3-D expert tensor (no .weight suffix) -> name_scale_inv
-                scale_name = name.removesuffix("weight") + "weight_scale_inv" if name.endswith("weight") \
-                    else name + "_scale_inv"
+                scale_name = name + "_scale_inv"  # x.weight -> x.weight_scale_inv; 3-D experts: x_scale_inv
                 if scale_name not in names:
                     raise CheckpointError(f"fp8 tensor {name!r} has no {scale_name!r}")
                 scale = _open(names[scale_name]).get_tensor(scale_name)
