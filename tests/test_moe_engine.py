@@ -5,6 +5,7 @@ plain greedy's tokens."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,12 @@ def checkpoint(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[objec
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             mtp[name] = mtp[name] * damp
     saver = save_official_layout if family == "qwen3_5_moe" else save_causal_lm_layout
-    return hf, saver(hf, tmp_path_factory.mktemp(family), mtp, fused_experts=family == "qwen3_5_moe")
+    path = saver(hf, tmp_path_factory.mktemp(family), mtp, fused_experts=family == "qwen3_5_moe")
+    if family == "qwen3_next":  # transformers' Qwen3NextConfig has no MTP field: the mtp.* tensors say it
+        config = json.loads((path / "config.json").read_text())
+        del config["mtp_num_hidden_layers"]
+        (path / "config.json").write_text(json.dumps(config))
+    return hf, path
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -19,7 +19,7 @@ from tests.checkpoints import (
     save_causal_lm_layout,
     save_official_layout,
 )
-from tests.test_model_core import PagedSequence, hf_logits, new_cache, run_chunks
+from tests.test_model_core import PagedSequence, assert_prompt_matches, hf_logits, new_cache, run_chunks
 from tests.test_mtp import reference_mtp_logits
 
 TOL = 1e-4
@@ -59,13 +59,7 @@ def test_layers_are_sparse_where_the_config_says(pair):
 
 def test_prompt_matches_transformers_stateless_and_paged(pair):
     hf, ours = pair
-    ids = _ids(40, 0, hf.config.vocab_size)
-    ref = hf_logits(hf, ids)
-    with torch.no_grad():
-        stateless = ours.compute_logits(ours(ids, ForwardContext.stateless([len(ids)])))
-    paged = run_chunks(ours, new_cache(ours), PagedSequence(0, 1), ids, [len(ids)])
-    assert (stateless - ref).abs().max() < TOL
-    assert (paged - ref).abs().max() < TOL
+    assert_prompt_matches(hf, ours, _ids(40, 0, hf.config.vocab_size))
 
 
 def test_chunks_and_decode_steps_match_transformers(pair):
@@ -132,10 +126,8 @@ def test_routing_ties_break_as_transformers(family, tmp_path):
     with torch.no_grad():
         picked = ours.model.layers[0].mlp.route(torch.randn(5, TINY["hidden_size"]))[0]
     assert sorted(picked[0].tolist()) != list(range(MOE["num_experts_per_tok"]))  # ties are not lowest-first
+    assert_prompt_matches(hf, ours, ids)
     ref = hf_logits(hf, ids)
-    with torch.no_grad():
-        stateless = ours.compute_logits(ours(ids, ForwardContext.stateless([len(ids)])))
-    assert (stateless - ref).abs().max() < TOL
     assert (run_chunks(ours, new_cache(ours), PagedSequence(0, 0), ids, [11, 19]) - ref).abs().max() < TOL
     assert greedy(ours, ids[:6], 16) == hf_greedy(hf, ids[:6], 16)
 
@@ -156,11 +148,8 @@ def test_an_expert_no_token_picks_is_never_read(tmp_path):
     ref = hf_logits(hf, ids)
     assert torch.isfinite(ref).all()
     ours = load_model(save(hf, tmp_path, "official", fused=True), dtype="float32")
-    with torch.no_grad():
-        stateless = ours.compute_logits(ours(ids, ForwardContext.stateless([len(ids)])))
-    paged = run_chunks(ours, new_cache(ours), PagedSequence(0, 0), ids, [2, 1])
-    assert (stateless - ref).abs().max() < TOL
-    assert (paged - ref).abs().max() < TOL
+    assert_prompt_matches(hf, ours, ids)
+    assert (run_chunks(ours, new_cache(ours), PagedSequence(0, 0), ids, [2, 1]) - ref).abs().max() < TOL
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
