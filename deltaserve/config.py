@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deltaserve.model.registry import Architecture, UnknownArchitectureError, resolve_architecture
-
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
@@ -31,6 +29,54 @@ class ConfigError(ValueError):
 
 class UnsupportedFeatureError(NotImplementedError):
     """A valid configuration that names a feature deltaserve does not run yet (vision tower, ...)."""
+
+
+# ---- the architectures, by the `architectures` name of a config.json -------------------------------------
+# Every entry builds the same model (deltaserve/model/decoder.py); what differs is read from the config
+# (dense or sparse-MoE MLPs) and, here, how the checkpoint stores its weights.
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    name: str
+    model_types: tuple[str, ...]  # the model_type values a config.json of this architecture may carry
+    # Qwen3-Next keeps the GDN input projections fused: in_proj_qkvz and in_proj_ba, grouped per key head.
+    fused_gdn_projections: bool = False
+    # Qwen3-Next reads decoder_sparse_step, mlp_only_layers and norm_topk_prob (and allows 0 experts);
+    # Qwen3.5-MoE makes every layer sparse and always renormalises the top-k weights.
+    moe_layout_fields: bool = False
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture("Qwen3_5ForCausalLM", ("qwen3_5_text",)),
+        Architecture("Qwen3_5ForConditionalGeneration", ("qwen3_5",)),
+        Architecture("Qwen3_5MoeForCausalLM", ("qwen3_5_moe_text",)),
+        Architecture("Qwen3_5MoeForConditionalGeneration", ("qwen3_5_moe",)),
+        Architecture("Qwen3NextForCausalLM", ("qwen3_next",), fused_gdn_projections=True,
+                     moe_layout_fields=True),
+    )
+}
+# A config.json without `architectures` (transformers' save always writes it) gets its model_type's.
+DEFAULT_FOR_MODEL_TYPE = {t: a for a in ARCHITECTURES.values() for t in a.model_types}
+
+
+def resolve_architecture(architectures: list[str], model_type: str) -> Architecture:
+    """The config's architecture: its first `architectures` entry, which must be known and agree with
+    model_type; without any, the model_type's default."""
+    if not architectures:
+        return DEFAULT_FOR_MODEL_TYPE[model_type]
+    name = architectures[0]
+    arch = ARCHITECTURES.get(name)
+    if arch is None:
+        raise ConfigError(
+            f"architecture {name!r} is not supported; known architectures: {', '.join(ARCHITECTURES)}"
+        )
+    if model_type not in arch.model_types:
+        raise ConfigError(
+            f"architecture {name!r} expects model_type {' or '.join(map(repr, arch.model_types))}, "
+            f"but config.json says {model_type!r}"
+        )
+    return arch
 
 
 @dataclass(slots=True)
@@ -115,7 +161,7 @@ class ModelConfig:
     quantization_config: dict[str, Any] | None = None
     vision: VisionConfig | None = None
     architectures: list[str] = field(default_factory=list)
-    architecture: Architecture | None = None  # from the registry (deltaserve/model/registry.py)
+    architecture: Architecture | None = None  # from ARCHITECTURES, by config.json's `architectures`
 
     # ---- derived sizes -------------------------------------------------------------------------------
     @property
@@ -193,10 +239,7 @@ class ModelConfig:
             if key not in text and key in data:
                 text[key] = data[key]
         text_type = f"{model_type}_text" if is_wrapper else model_type
-        try:
-            architecture = resolve_architecture(list(data.get("architectures") or []), model_type)
-        except UnknownArchitectureError as e:
-            raise ConfigError(str(e)) from e
+        architecture = resolve_architecture(list(data.get("architectures") or []), model_type)
 
         def need(key: str) -> Any:
             if key not in text:

@@ -10,11 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deltaserve.config import ConfigError, ModelConfig
+from deltaserve.config import ARCHITECTURES, ConfigError, ModelConfig
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 from deltaserve.model.loader import CheckpointError, load_model
 from deltaserve.model.moe import SparseMoeBlock
-from deltaserve.model.registry import ARCHITECTURES
 from tests.checkpoints import (
     MOE,
     RATIOS_27B,

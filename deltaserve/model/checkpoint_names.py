@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltaserve.config import ModelConfig
-from deltaserve.model.registry import Architecture
+from deltaserve.config import Architecture, ModelConfig
 
 PER_EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 EXPERT_PARAMS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")

@@ -68,7 +68,7 @@ class TextModel(nn.Module):
 
 class Qwen3_5ForCausalLM(nn.Module):
     """Trunk + lm_head (+ the MTP head when the checkpoint has one). Every architecture of
-    deltaserve/model/registry.py builds this model; its MLPs are dense or sparse-MoE as the config says."""
+    deltaserve.config.ARCHITECTURES builds this model; its MLPs are dense or sparse-MoE as the config says."""
 
     def __init__(self, cfg: ModelConfig, with_mtp: bool = False) -> None:
         super().__init__()
