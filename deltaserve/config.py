@@ -4,6 +4,7 @@ sparse-MoE) and of Qwen3-Next."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -353,14 +354,15 @@ class ModelConfig:
             raise ConfigError(f"mamba_ssm_dtype {self.mamba_ssm_dtype!r} must be float32, bfloat16 or float16")
 
 
-
-def _moe_fields(text: dict[str, Any], need, architecture: Architecture) -> dict[str, Any]:
+def _moe_fields(text: dict[str, Any], need: Callable[[str], Any], architecture: Architecture) -> dict[str, Any]:
     """The sparse-MoE fields of a MoE-capable config. Qwen3-Next may set num_experts 0 (dense); otherwise the
     expert shapes are required, not guessed. Qwen3.5-MoE has every layer sparse and always renormalises the
     top-k weights (transformers reads none of the three fields for it), so other values there are errors."""
     if int(text.get("num_experts", 0)) == 0 and "num_experts" in text and architecture.moe_layout_fields:
         return {"num_experts": 0}
     if not architecture.moe_layout_fields:
+        if int(need("num_experts")) <= 0:
+            raise ConfigError(f"config field 'num_experts' must be a positive integer for {architecture.name}")
         for key, default in (("norm_topk_prob", True), ("decoder_sparse_step", 1), ("mlp_only_layers", [])):
             if key in text and text[key] not in (default, None):
                 raise ConfigError(

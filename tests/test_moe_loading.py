@@ -73,6 +73,7 @@ def test_sparse_layers_follow_mlp_only_layers_and_decoder_sparse_step():
         ({**TEXT, "mlp_only_layers": [1]}, r"'mlp_only_layers' is \[1\], but Qwen3_5MoeForCausalLM supports only \[\]"),
         ({**TEXT, "norm_topk_prob": False}, "'norm_topk_prob' is False"),
         ({k: v for k, v in TEXT.items() if k != "num_experts_per_tok"}, "'num_experts_per_tok' is missing"),
+        ({**TEXT, "num_experts": 0}, "'num_experts' must be a positive integer for Qwen3_5MoeForCausalLM"),
         ({**TEXT, "num_experts_per_tok": 9}, r"num_experts_per_tok \(9\) is more than num_experts \(8\)"),
         ({**NEXT, "mlp_only_layers": [4]}, r"names layer\(s\) \[4\] outside 0..3"),
         ({**NEXT, "intermediate_size": 0, "mlp_only_layers": [0]}, "'intermediate_size' must be a positive"),
