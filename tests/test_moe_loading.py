@@ -183,15 +183,18 @@ def test_qwen3_next_fused_gdn_projections_are_split_per_key_head_group(tmp_path)
     value head j = g*r + i lands at rows j*dv of in_proj_qkv's value part and of in_proj_z."""
     hf = random_hf_moe_model("qwen3_next", RATIOS_27B, seed=4)
     ours = load_model(save_causal_lm_layout(hf, tmp_path), dtype="float32")
-    theirs, mine = hf.model.layers[0].linear_attn, ours.model.layers[0].linear_attn
-    x = torch.randn(5, RATIOS_27B["hidden_size"])
+    assert_split_like_transformers(hf.model.layers[0].linear_attn, ours.model.layers[0].linear_attn)
+
+
+def assert_split_like_transformers(theirs, mine) -> None:
+    """Our four GDN projections give what transformers' fix_query_key_value_ordering makes of its two."""
+    x = torch.randn(5, theirs.hidden_size)
     with torch.no_grad():
         q, k, v, z, b, a = theirs.fix_query_key_value_ordering(theirs.in_proj_qkvz(x[None]), theirs.in_proj_ba(x[None]))
-        want_qkv = torch.cat([t.reshape(5, -1) for t in (q[0], k[0], v[0])], dim=-1)
-        torch.testing.assert_close(mine.in_proj_qkv(x), want_qkv, rtol=0, atol=1e-6)
-        torch.testing.assert_close(mine.in_proj_z(x), z[0].reshape(5, -1), rtol=0, atol=1e-6)
-        torch.testing.assert_close(mine.in_proj_b(x), b[0], rtol=0, atol=1e-6)
-        torch.testing.assert_close(mine.in_proj_a(x), a[0], rtol=0, atol=1e-6)
+        pairs = [(mine.in_proj_qkv(x), torch.cat([t.reshape(5, -1) for t in (q[0], k[0], v[0])], dim=-1)),
+                 (mine.in_proj_z(x), z[0].reshape(5, -1)), (mine.in_proj_b(x), b[0]), (mine.in_proj_a(x), a[0])]
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 def test_qwen3_next_misshaped_qkvz_is_named(tmp_path):
@@ -201,3 +204,22 @@ def test_qwen3_next_misshaped_qkvz_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"in_proj_qkvz\.weight' has shape \(126, 48\), expected \(128, 48\) "
                                               r"from config\.json \(2 key-head groups of 8 \+ 8 \+ 24 \+ 24 rows\)"):
         load_model(dst)
+
+
+def test_qwen3_next_fp8_fused_projections_are_dequantized_then_split(tmp_path):
+    """The FP8 Qwen3-Next release block-quantizes in_proj_qkvz as one tensor: dequantized whole, then split."""
+    hf = random_hf_moe_model("qwen3_next", TINY, seed=6)
+    path = save_causal_lm_layout(hf, tmp_path / "next")
+    name, block, expected = "model.layers.0.linear_attn.in_proj_qkvz.weight", 16, {}
+
+    def quantize(tensors):
+        tensors[name], tensors[name + "_scale_inv"], expected["qkvz"] = quantize_fp8(tensors[name], block)
+
+    dst = copy_with(tmp_path, path, quantize)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block]}
+    (dst / "config.json").write_text(json.dumps(config))
+    mine = load_model(dst, dtype="float32").model.layers[0].linear_attn
+    with torch.no_grad():
+        hf.model.layers[0].linear_attn.in_proj_qkvz.weight.copy_(expected["qkvz"])
+    assert_split_like_transformers(hf.model.layers[0].linear_attn, mine)

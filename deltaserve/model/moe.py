@@ -30,18 +30,17 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; expert_ids, weights [T, k] -> sum over the k choices of weight * expert(x), [T, H]."""
-        T, k = expert_ids.shape
+        k = expert_ids.shape[1]
         flat = expert_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, tokens ascending
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        touched = counts.nonzero().flatten()  # only these experts' weights are read
         tokens = order // k
         xs = x[tokens]
         ws = weights.reshape(-1)[order, None]
         ys = torch.empty_like(xs)
         start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
+        for e, n in zip(touched.tolist(), counts[touched].tolist(), strict=True):
             rows = slice(start, start + n)
             gate, up = F.linear(xs[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
             ys[rows] = F.linear(F.silu(gate) * up, self.down_proj[e]) * ws[rows]
