@@ -110,6 +110,14 @@ def test_missing_expert_tensor_is_named(moe_checkpoint, tmp_path):
         load_model(dst)
 
 
+def test_an_expert_past_num_experts_is_unexpected(moe_checkpoint, tmp_path):
+    _, path = moe_checkpoint
+    extra = f"{EXPERT}8.down_proj.weight"  # experts 0..7
+    dst = copy_with(tmp_path, path, lambda t: t.update({extra: t[f"{EXPERT}0.down_proj.weight"].clone()}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor.*layers\.1\.mlp\.experts\.8\.down_proj\.weight"):
+        load_model(dst)
+
+
 def test_missing_experts_altogether_are_named(moe_checkpoint, tmp_path):
     _, path = moe_checkpoint
     dst = copy_with(tmp_path, path, lambda t: [t.pop(k) for k in list(t) if k.startswith(EXPERT)])

@@ -55,7 +55,7 @@ class Target:
         return f"{experts}.{self.expert}.{proj}_proj.weight"
 
 
-def targets(name: str, arch: Architecture) -> list[Target]:
+def targets(name: str, arch: Architecture | None) -> list[Target]:
     """What the checkpoint tensor `name` (a parameter-space name) fills, in the order split() gives."""
     m = PER_EXPERT.match(name)
     if m:
@@ -63,13 +63,19 @@ def targets(name: str, arch: Architecture) -> list[Target]:
         if m["proj"] == "down":
             return [Target(f"{m['experts']}.down_proj", e)]
         return [Target(f"{m['experts']}.gate_up_proj", e, HALVES.index(m["proj"]))]
-    if arch.fused_gdn_projections and name.endswith(QKVZ):
+    fused_gdn = arch is not None and arch.fused_gdn_projections
+    if fused_gdn and name.endswith(QKVZ):
         base = name.removesuffix("qkvz.weight")
         return [Target(base + "qkv.weight"), Target(base + "z.weight")]
-    if arch.fused_gdn_projections and name.endswith(BA):
+    if fused_gdn and name.endswith(BA):
         base = name.removesuffix("ba.weight")
         return [Target(base + "b.weight"), Target(base + "a.weight")]
     return [Target(name)]
+
+
+def exists(t: Target, params: dict[str, torch.Tensor]) -> bool:
+    """Whether the model has what t names (an expert index past num_experts does not)."""
+    return t.param in params and (t.expert is None or t.expert < params[t.param].shape[0])
 
 
 def split(name: str, tensor: torch.Tensor, cfg: ModelConfig, found: list[Target]) -> list[torch.Tensor]:

@@ -24,7 +24,15 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from deltaserve.config import ModelConfig
-from deltaserve.model.checkpoint_names import CheckpointError, Target, coverage_problems, split, targets, view
+from deltaserve.model.checkpoint_names import (
+    CheckpointError,
+    Target,
+    coverage_problems,
+    exists,
+    split,
+    targets,
+    view,
+)
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 
 log = logging.getLogger(__name__)
@@ -135,7 +143,7 @@ def load_model(
         if target == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the embedding is the head
         found = targets(target, arch)
-        if any(t.param not in params for t in found):
+        if not all(exists(t, params) for t in found):
             unexpected.append(name)
             continue
         wanted[name] = found
