@@ -25,6 +25,8 @@ class Experts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
+        # Left uninitialised, as transformers does: the loader fills every expert (and checks it did), and
+        # a random init of the 35B-A3B's 32 B expert weights would cost minutes for nothing.
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
