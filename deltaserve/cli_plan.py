@@ -135,9 +135,14 @@ def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
     add("=" * len(title))
     add(f"layers {plan.num_layers}: {plan.num_gdn_layers} GDN + {plan.num_attention_layers} attention"
         f"{' (+ MTP layer with its own KV cache)' if plan.with_mtp else ''}")
+    if plan.num_experts:
+        add(f"sparse MoE: {plan.num_sparse_layers} of {plan.num_layers} layers, {plan.num_experts} experts, "
+            f"top-{plan.num_experts_per_tok}, plus a shared expert")
+    widths = [f"MLP width {r.intermediate}"] if r.intermediate else []
+    if plan.num_experts:
+        widths += [f"expert width {r.expert_intermediate}", f"shared expert width {r.shared_expert_intermediate}"]
     add(f"tensor parallel {plan.tp}: per rank attention heads {r.attention_heads}, KV heads {r.kv_heads}, "
-        f"GDN heads {r.gdn_key_heads}k/{r.gdn_value_heads}v, MLP width {r.intermediate}, "
-        f"vocab rows {r.vocab}")
+        f"GDN heads {r.gdn_key_heads}k/{r.gdn_value_heads}v, {', '.join(widths)}, vocab rows {r.vocab}")
     add(f"dtypes: model {plan.model_dtype}, weights {plan.weight_dtype}, KV cache {plan.kv_cache_dtype}, "
         f"GDN recurrent state {plan.ssm_state_dtype}, conv state {plan.model_dtype}")
     add(f"workload: {plan.max_num_seqs} sequences x {plan.max_model_len:,} tokens, "
@@ -153,6 +158,9 @@ def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
     add(f"  {'total loaded':<{w}}  {'':>5}  {'':>14}  {'':>12}  {format_bytes(plan.weight_bytes):>12}")
     add(f"  parameters: text {format_params(plan.text_params)}, MTP {format_params(plan.mtp_params)}, "
         f"vision {format_params(plan.vision_params)}")
+    add(f"  per decode token: reads {format_bytes(plan.active_weight_bytes)} of the {format_bytes(plan.weight_bytes)}"
+        f" loaded; active parameters {format_params(plan.active_params)} of {format_params(plan.text_params)}"
+        f"{' (top-k routed experts, one embedding row)' if plan.num_experts else ' (one embedding row)'}")
     if plan.fused_copy_bytes:
         add(f"  fused step on a CPU: + {format_bytes(plan.fused_copy_bytes)} of bf16 copies (the projections "
             "in panels, the lm_head twice)")

@@ -1,8 +1,10 @@
-"""Model configuration parsed from a Hugging Face `config.json` of the Qwen3.5 / Qwen3.8 family."""
+"""Model configuration parsed from a Hugging Face `config.json` of the Qwen3.5 / Qwen3.8 family (dense and
+sparse-MoE) and of Qwen3-Next."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,13 +13,15 @@ LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
 
-# model_type -> (is vision-language wrapper, is MoE)
+# model_type -> (is vision-language wrapper, may be MoE: num_experts > 0 gives sparse MLPs)
 MODEL_TYPES = {
     "qwen3_5": (True, False),
     "qwen3_5_text": (False, False),
     "qwen3_5_moe": (True, True),
     "qwen3_5_moe_text": (False, True),
+    "qwen3_next": (False, True),
 }
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 class ConfigError(ValueError):
@@ -25,7 +29,55 @@ class ConfigError(ValueError):
 
 
 class UnsupportedFeatureError(NotImplementedError):
-    """A valid configuration that names a feature deltaserve does not run yet (MoE MLP, vision tower, ...)."""
+    """A valid configuration that names a feature deltaserve does not run yet (vision tower, ...)."""
+
+
+# ---- the architectures, by the `architectures` name of a config.json -------------------------------------
+# Every entry builds the same model (deltaserve/model/decoder.py); what differs is read from the config
+# (dense or sparse-MoE MLPs) and, here, how the checkpoint stores its weights.
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    name: str
+    model_types: tuple[str, ...]  # the model_type values a config.json of this architecture may carry
+    # Qwen3-Next keeps the GDN input projections fused: in_proj_qkvz and in_proj_ba, grouped per key head.
+    fused_gdn_projections: bool = False
+    # Qwen3-Next reads decoder_sparse_step, mlp_only_layers and norm_topk_prob (and allows 0 experts);
+    # Qwen3.5-MoE makes every layer sparse and always renormalises the top-k weights.
+    moe_layout_fields: bool = False
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture("Qwen3_5ForCausalLM", ("qwen3_5_text",)),
+        Architecture("Qwen3_5ForConditionalGeneration", ("qwen3_5",)),
+        Architecture("Qwen3_5MoeForCausalLM", ("qwen3_5_moe_text",)),
+        Architecture("Qwen3_5MoeForConditionalGeneration", ("qwen3_5_moe",)),
+        Architecture("Qwen3NextForCausalLM", ("qwen3_next",), fused_gdn_projections=True,
+                     moe_layout_fields=True),
+    )
+}
+# A config.json without `architectures` (transformers' save always writes it) gets its model_type's.
+DEFAULT_FOR_MODEL_TYPE = {t: a for a in ARCHITECTURES.values() for t in a.model_types}
+
+
+def resolve_architecture(architectures: list[str], model_type: str) -> Architecture:
+    """The config's architecture: its first `architectures` entry, which must be known and agree with
+    model_type; without any, the model_type's default."""
+    if not architectures:
+        return DEFAULT_FOR_MODEL_TYPE[model_type]
+    name = architectures[0]
+    arch = ARCHITECTURES.get(name)
+    if arch is None:
+        raise ConfigError(
+            f"architecture {name!r} is not supported; known architectures: {', '.join(ARCHITECTURES)}"
+        )
+    if model_type not in arch.model_types:
+        raise ConfigError(
+            f"architecture {name!r} expects model_type {' or '.join(map(repr, arch.model_types))}, "
+            f"but config.json says {model_type!r}"
+        )
+    return arch
 
 
 @dataclass(slots=True)
@@ -98,15 +150,41 @@ class ModelConfig:
     mtp_num_hidden_layers: int = 0
     mtp_use_dedicated_embeddings: bool = False
     mamba_ssm_dtype: str = "float32"
+    # Sparse MoE (0 experts: dense MLPs of intermediate_size everywhere). Layer i is sparse unless it is in
+    # mlp_only_layers or (i + 1) % decoder_sparse_step != 0 (Qwen3-Next's fields; Qwen3.5-MoE has neither).
     num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
     quantization_config: dict[str, Any] | None = None
     vision: VisionConfig | None = None
     architectures: list[str] = field(default_factory=list)
+    architecture: Architecture | None = None  # from ARCHITECTURES, by config.json's `architectures`
 
     # ---- derived sizes -------------------------------------------------------------------------------
     @property
     def is_moe(self) -> bool:
-        return MODEL_TYPES[self.model_type][1]
+        return MODEL_TYPES[self.model_type][1] and self.num_experts > 0
+
+    def sparse_mlp(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` has a sparse-MoE MLP. Ids past the trunk are MTP layers: sparse in a MoE
+        model, as in the released MoE checkpoints (their mtp.layers.0.mlp has experts)."""
+        if not self.is_moe:
+            return False
+        if layer_id >= self.num_hidden_layers:
+            return True
+        return layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def sparse_layer_ids(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.sparse_mlp(i)]
+
+    @property
+    def dense_layer_ids(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if not self.sparse_mlp(i)]
 
     @property
     def linear_key_dim(self) -> int:
@@ -162,6 +240,7 @@ class ModelConfig:
             if key not in text and key in data:
                 text[key] = data[key]
         text_type = f"{model_type}_text" if is_wrapper else model_type
+        architecture = resolve_architecture(list(data.get("architectures") or []), model_type)
 
         def need(key: str) -> Any:
             if key not in text:
@@ -180,11 +259,12 @@ class ModelConfig:
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
+        moe = _moe_fields(text, need, architecture) if MODEL_TYPES[model_type][1] else {}
         cfg = cls(
             model_type=text_type,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(text.get("intermediate_size") or text.get("moe_intermediate_size") or 0),
+            intermediate_size=int(text.get("intermediate_size") or 0),
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(text.get("num_key_value_heads", heads)),
@@ -207,13 +287,15 @@ class ModelConfig:
             bos_token_id=text.get("bos_token_id"),
             pad_token_id=text.get("pad_token_id"),
             torch_dtype=str(text.get("dtype") or text.get("torch_dtype") or "bfloat16"),
-            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0)),
+            # Qwen3-Next configs may name it as DeepSeek-V3 does.
+            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", text.get("num_nextn_predict_layers", 0))),
             mtp_use_dedicated_embeddings=bool(text.get("mtp_use_dedicated_embeddings", False)),
             mamba_ssm_dtype=str(text.get("mamba_ssm_dtype", "float32")),
-            num_experts=int(text.get("num_experts", 0)),
+            **moe,
             quantization_config=text.get("quantization_config"),
             vision=VisionConfig.from_dict(data["vision_config"]) if data.get("vision_config") else None,
             architectures=list(data.get("architectures") or []),
+            architecture=architecture,
         )
         cfg.validate()
         return cfg
@@ -230,7 +312,22 @@ class ModelConfig:
             "linear_value_head_dim", "linear_conv_kernel_dim",
         ):
             positive(name)
-        if not self.is_moe:
+        if self.is_moe:
+            for name in MOE_FIELDS:
+                positive(name)
+            if self.num_experts_per_tok > self.num_experts:
+                raise ConfigError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) is more than num_experts ({self.num_experts})"
+                )
+            if self.decoder_sparse_step < 1:
+                raise ConfigError(f"decoder_sparse_step must be a positive integer, got {self.decoder_sparse_step}")
+            bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+            if bad:
+                raise ConfigError(
+                    f"mlp_only_layers {self.mlp_only_layers} names layer(s) {bad} outside "
+                    f"0..{self.num_hidden_layers - 1}"
+                )
+        if self.dense_layer_ids:
             positive("intermediate_size")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
@@ -256,13 +353,31 @@ class ModelConfig:
         if self.mamba_ssm_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"mamba_ssm_dtype {self.mamba_ssm_dtype!r} must be float32, bfloat16 or float16")
 
-    def check_supported(self) -> None:
-        """Raise if the configuration parses but names something this engine cannot run yet."""
-        if self.is_moe:
-            raise UnsupportedFeatureError(
-                f"model_type {self.model_type!r} uses a sparse-MoE MLP ({self.num_experts} experts), "
-                "which deltaserve does not support yet; use a dense qwen3_5 / qwen3_5_text checkpoint"
-            )
+
+def _moe_fields(text: dict[str, Any], need: Callable[[str], Any], architecture: Architecture) -> dict[str, Any]:
+    """The sparse-MoE fields of a MoE-capable config. Qwen3-Next may set num_experts 0 (dense); otherwise the
+    expert shapes are required, not guessed. Qwen3.5-MoE has every layer sparse and always renormalises the
+    top-k weights (transformers reads none of the three fields for it), so other values there are errors."""
+    if int(text.get("num_experts", 0)) == 0 and "num_experts" in text and architecture.moe_layout_fields:
+        return {"num_experts": 0}
+    if not architecture.moe_layout_fields:
+        if int(need("num_experts")) <= 0:
+            raise ConfigError(f"config field 'num_experts' must be a positive integer for {architecture.name}")
+        for key, default in (("norm_topk_prob", True), ("decoder_sparse_step", 1), ("mlp_only_layers", [])):
+            if key in text and text[key] not in (default, None):
+                raise ConfigError(
+                    f"config field {key!r} is {text[key]!r}, but {architecture.name} supports only "
+                    f"{default!r} (every layer sparse, top-k weights renormalised)"
+                )
+    return dict(
+        num_experts=int(need("num_experts")),
+        num_experts_per_tok=int(need("num_experts_per_tok")),
+        moe_intermediate_size=int(need("moe_intermediate_size")),
+        shared_expert_intermediate_size=int(need("shared_expert_intermediate_size")),
+        norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+        decoder_sparse_step=int(text.get("decoder_sparse_step", 1)),
+        mlp_only_layers=[int(i) for i in text.get("mlp_only_layers") or []],
+    )
 
 
 def _layer_types(text: dict[str, Any], num_layers: int) -> list[str]:

@@ -15,16 +15,27 @@ from pathlib import Path
 import httpx
 
 from deltaserve.assets import DEMO_DIR
-from tests.checkpoints import TINY, random_hf_model, save_official_layout
+from tests.checkpoints import (
+    TINY,
+    random_hf_model,
+    random_hf_moe_model,
+    save_causal_lm_layout,
+    save_official_layout,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def text_checkpoint(path: Path, seed: int = 3) -> Path:
+def text_checkpoint(path: Path, seed: int = 3, moe_family: str | None = None) -> Path:
     """A random TINY model over the demo tokenizer's 8192 ids (and 4096 positions, so that a request can
-    run long enough to be interrupted), with that tokenizer copied in."""
+    run long enough to be interrupted), with that tokenizer copied in; sparse-MoE with moe_family
+    ('qwen3_5_moe' or 'qwen3_next')."""
     shape = dict(TINY, vocab_size=8192, max_position_embeddings=4096)
-    save_official_layout(random_hf_model(shape, seed=seed), path)
+    if moe_family is None:
+        save_official_layout(random_hf_model(shape, seed=seed), path)
+    else:
+        save = save_official_layout if moe_family == "qwen3_5_moe" else save_causal_lm_layout
+        save(random_hf_moe_model(moe_family, shape, seed=seed), path)
     for f in DEMO_DIR.iterdir():
         if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
             shutil.copy(f, path / f.name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deltaserve.config import ConfigError, ModelConfig, UnsupportedFeatureError
+from deltaserve.config import ConfigError, ModelConfig
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 
 TEXT = dict(
@@ -72,14 +72,14 @@ def test_missing_field_is_named():
         ModelConfig.from_dict(bad)
 
 
-def test_moe_config_parses_but_says_unsupported_when_used():
+def test_moe_config_builds_sparse_layers():
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=12)
     cfg = ModelConfig.from_dict(
-        {"model_type": "qwen3_5_moe", "text_config": {**TEXT, "model_type": "qwen3_5_moe_text",
-                                                      "num_experts": 8, "moe_intermediate_size": 16}}
+        {"model_type": "qwen3_5_moe", "text_config": {**TEXT, "model_type": "qwen3_5_moe_text", **moe}}
     )
-    assert cfg.is_moe and cfg.num_experts == 8
-    with pytest.raises(UnsupportedFeatureError, match="sparse-MoE.*not support"):
-        Qwen3_5ForCausalLM(cfg)
+    assert cfg.is_moe and cfg.num_experts == 8 and cfg.architecture.name == "Qwen3_5MoeForConditionalGeneration"
+    mlp = Qwen3_5ForCausalLM(cfg).model.layers[0].mlp
+    assert mlp.experts.gate_up_proj.shape == (8, 32, 32) and mlp.shared_expert.up_proj.weight.shape == (12, 32)
 
 
 def test_bad_json_file_is_named(tmp_path):

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.loader import CheckpointError, load_model
-from tests.checkpoints import TINY, random_hf_model, random_mtp_tensors, save_official_layout
+from tests.checkpoints import TINY, quantize_fp8, random_hf_model, random_mtp_tensors, save_official_layout
 
 
 @pytest.fixture(scope="module")
@@ -82,18 +82,7 @@ def test_fp8_block_quantized_weights_are_dequantized(official, tmp_path):
 
     def quantize(tensors):
         for name in [n for n in tensors if "_proj" in n and n.endswith(".weight")]:
-            w = tensors[name]
-            rows, cols = (w.shape[0] + block - 1) // block, (w.shape[1] + block - 1) // block
-            padded = torch.zeros(rows * block, cols * block)
-            padded[: w.shape[0], : w.shape[1]] = w
-            amax = padded.view(rows, block, cols, block).abs().amax(dim=(1, 3)).clamp(min=1e-6)
-            scale_inv = amax / 448.0
-            q = (padded / scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)).to(torch.float8_e4m3fn)
-            q = q[: w.shape[0], : w.shape[1]].contiguous()
-            tensors[name] = q
-            tensors[name + "_scale_inv"] = scale_inv
-            full = scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)[: w.shape[0], : w.shape[1]]
-            expected[name] = q.float() * full
+            tensors[name], tensors[name + "_scale_inv"], expected[name] = quantize_fp8(tensors[name], block)
 
     dst = copy_with(tmp_path, path, quantize)
     config = json.loads((dst / "config.json").read_text())

@@ -68,15 +68,23 @@ def new_cache(model, slots: int = 4):
                           with_mtp=model.mtp is not None)
 
 
+def stateless_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.compute_logits(model(ids, ForwardContext.stateless([len(ids)])))
+
+
+def assert_prompt_matches(hf, ours, ids: torch.Tensor, tol: float = TOL) -> None:
+    """The whole prompt's logits, stateless and through the paged cache in one chunk, equal transformers'."""
+    ref = hf_logits(hf, ids)
+    paged = run_chunks(ours, new_cache(ours), PagedSequence(0, 1), ids, [len(ids)])
+    assert (stateless_logits(ours, ids) - ref).abs().max() < tol
+    assert (paged - ref).abs().max() < tol
+
+
 def test_full_prompt_matches_transformers(pair):
     hf, ours = pair
     ids = torch.randint(0, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
-    ref = hf_logits(hf, ids)
-    with torch.no_grad():
-        stateless = ours.compute_logits(ours(ids, ForwardContext.stateless([len(ids)])))
-    paged = run_chunks(ours, new_cache(ours), PagedSequence(0, 1), ids, [len(ids)])
-    assert (stateless - ref).abs().max() < TOL
-    assert (paged - ref).abs().max() < TOL
+    assert_prompt_matches(hf, ours, ids)
 
 
 def test_uneven_chunks_match_full_prompt(pair):

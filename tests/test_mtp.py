@@ -8,7 +8,7 @@ import torch
 from deltaserve.cache.tensors import allocate_cache
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.loader import CheckpointError, load_model
-from tests.checkpoints import TINY, random_hf_model, random_mtp_tensors, save_official_layout
+from tests.checkpoints import TINY, fuse_experts, random_hf_model, random_mtp_tensors, save_official_layout
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -16,9 +16,9 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def reference_mtp_logits(hf, mtp: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
-    """logits[t] for token t+2 from h_t (final-normed trunk hidden) and token t+1, for t < T-1."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5TextRotaryEmbedding
-
+    """logits[t] for token t+2 from h_t (final-normed trunk hidden) and token t+1, for t < T-1. The MTP layer
+    is hf's own decoder layer class (sparse-MoE too for a MoE model, its experts given one tensor each)."""
+    decoder_layer, rotary = type(hf.model.layers[0]), type(hf.model.rotary_emb)
     cfg = hf.config
     eps = cfg.rms_norm_eps
     with torch.no_grad():
@@ -29,11 +29,13 @@ def reference_mtp_logits(hf, mtp: dict[str, torch.Tensor], ids: torch.Tensor) ->
         x = x @ mtp["mtp.fc.weight"].t()
         layer_cfg = cfg.__class__(**{**cfg.to_dict(), "layer_types": ["full_attention"] * cfg.num_hidden_layers})
         layer_cfg._attn_implementation = "eager"
-        layer = Qwen3_5DecoderLayer(layer_cfg, 0).eval()
-        layer.load_state_dict({k[len("mtp.layers.0."):]: v for k, v in mtp.items() if k.startswith("mtp.layers.0.")})
+        layer_cfg._experts_implementation = "eager"
+        layer = decoder_layer(layer_cfg, 0).eval()
+        state = {k[len("mtp.layers.0."):]: v for k, v in mtp.items() if k.startswith("mtp.layers.0.")}
+        layer.load_state_dict(fuse_experts(state))
         T = x.shape[0]
         positions = torch.arange(T)[None]  # the MTP entry for trunk position t sits at rotary position t
-        cos_sin = Qwen3_5TextRotaryEmbedding(layer_cfg)(x[None], positions)
+        cos_sin = rotary(layer_cfg)(x[None], positions)
         mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
         y = layer(x[None], position_embeddings=cos_sin, attention_mask=mask, position_ids=positions)[0]
         y = rms(y, mtp["mtp.norm.weight"], eps)

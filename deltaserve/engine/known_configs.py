@@ -1,5 +1,5 @@
 """Configs of released models, in the official config.json layout, for planning and inspecting shapes that
-cannot run here. Numbers as in REFERENCE.md (Qwen3.5-27B)."""
+cannot run here. Numbers as in REFERENCE.md (Qwen3.5-27B, Qwen3.5-35B-A3B)."""
 
 from __future__ import annotations
 
@@ -81,9 +81,35 @@ QWEN3_5_27B_FP8_CONFIG["quantization_config"] = {
                                "model.visual", "mtp.fc"],
 }
 
+# Qwen3.5-35B-A3B: the shape REFERENCE.md gives (hidden 2048, 40 layers, 256 experts top-8 of width 512 plus
+# a shared expert of 512, 16 / 2 attention heads, 32 GDN value heads, untied) with the family's common
+# values (GDN 16 key heads of 128, head_dim 256, vocab 248320, [lin, lin, lin, full] x 10, rope 1e7 with
+# mrope [11, 11, 10], one MTP layer). Assumed, not from a released file: the 27B's vision tower (depth 27,
+# hidden 1152, transformers' Qwen3_5MoeVisionConfig defaults) projecting to 2048, eos 248044 and
+# max_position_embeddings 262144 as the 27B.
+QWEN3_5_35B_A3B_CONFIG: dict[str, Any] = copy.deepcopy(QWEN3_5_27B_CONFIG)
+QWEN3_5_35B_A3B_CONFIG.update(architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe")
+_text = QWEN3_5_35B_A3B_CONFIG["text_config"]
+del _text["intermediate_size"]
+_text.update(
+    model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 10,
+    num_attention_heads=16, num_key_value_heads=2, linear_num_value_heads=32,
+    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+)
+QWEN3_5_35B_A3B_CONFIG["vision_config"].update(model_type="qwen3_5_moe_vision", out_hidden_size=2048)
+
+# Its FP8 release, assumed quantized like the 27B's (128 x 128 blocks, every expert on its own), the MoE
+# router and the shared expert's gate kept in bf16 with the other small projections.
+QWEN3_5_35B_A3B_FP8_CONFIG: dict[str, Any] = copy.deepcopy(QWEN3_5_35B_A3B_CONFIG)
+QWEN3_5_35B_A3B_FP8_CONFIG["quantization_config"] = copy.deepcopy(QWEN3_5_27B_FP8_CONFIG["quantization_config"])
+QWEN3_5_35B_A3B_FP8_CONFIG["quantization_config"]["modules_to_not_convert"] += ["mlp.gate", "mlp.shared_expert_gate"]
+
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3.5-27b": QWEN3_5_27B_CONFIG,
     "qwen3.5-27b-fp8": QWEN3_5_27B_FP8_CONFIG,
+    "qwen3.5-35b-a3b": QWEN3_5_35B_A3B_CONFIG,
+    "qwen3.5-35b-a3b-fp8": QWEN3_5_35B_A3B_FP8_CONFIG,
 }
 
 

@@ -21,16 +21,17 @@ from deltaserve.cache.sizing import (
     kv_bytes_per_token_per_layer,
     num_kv_cache_layers,
 )
-from deltaserve.config import ModelConfig, UnsupportedFeatureError
+from deltaserve.config import ModelConfig
 from deltaserve.executor import fused_copy_bytes
 from deltaserve.model.sharding import RankShape, rank_shape
 
 FP8_SCALE_BYTES = 4  # one fp32 weight_scale_inv per block
 # Modules an FP8 block-quantized checkpoint keeps in high precision when its config does not list them:
 # embeddings and the output head, the tiny GDN a/b projections (Hv rows, below one 128 block) and the vision
-# tower; norms, conv1d, A_log and dt_bias are not linear weights and are never quantized.
+# tower; norms, conv1d, A_log and dt_bias are not linear weights and are never quantized. MoE: the router
+# and the shared expert's gate (assumed kept, as vLLM runs shared_expert_gate unquantized).
 DEFAULT_FP8_NOT_CONVERTED = ("lm_head", "embed_tokens", "linear_attn.in_proj_a", "linear_attn.in_proj_b",
-                             "model.visual", "mtp.fc")
+                             "model.visual", "mtp.fc", "mlp.gate", "mlp.shared_expert_gate")
 
 
 # ---- weights -------------------------------------------------------------------------------------------
@@ -51,6 +52,8 @@ class WeightPart:
     params: int  # whole-model parameters of one instance
     params_per_rank: int
     bytes_per_rank: int  # one instance on one rank (FP8: 1 byte per weight + block scales)
+    active_params: int = 0  # whole-model parameters of one instance one decode token reads
+    active_bytes_per_rank: int = 0  # what one decode token reads of one instance on one rank
     included: bool = True  # counted in the totals (MTP only when speculating; vision when loaded)
     module: str = ""  # checkpoint name prefix, for matching modules_to_not_convert
 
@@ -62,17 +65,22 @@ class WeightPart:
     def total_bytes_per_rank(self) -> int:
         return self.count * self.bytes_per_rank
 
+    @property
+    def total_active_bytes_per_rank(self) -> int:
+        return self.count * self.active_bytes_per_rank
+
 
 def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
 # Tensor-parallel splits, by parameter name within a layer: which dimension a rank holds part of, and how
-# many rows or columns (vLLM's column-parallel projections, and the row-parallel ones after them).
-def _rank_rows(cfg: ModelConfig, r: RankShape) -> dict[str, int]:
+# much of it (vLLM's column-parallel projections, and the row-parallel ones after them; MoE experts split
+# along their width, see deltaserve/model/sharding.py).
+def _rank_splits(cfg: ModelConfig, r: RankShape) -> dict[str, tuple[int, int]]:
     dk, dv, hd = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.head_dim
     conv = 2 * r.gdn_key_heads * dk + r.gdn_value_heads * dv
-    return {
+    rows = {
         "linear_attn.in_proj_qkv": conv, "linear_attn.in_proj_z": r.gdn_value_heads * dv,
         "linear_attn.in_proj_b": r.gdn_value_heads, "linear_attn.in_proj_a": r.gdn_value_heads,
         "linear_attn.conv1d": conv, "linear_attn.A_log": r.gdn_value_heads,
@@ -80,15 +88,23 @@ def _rank_rows(cfg: ModelConfig, r: RankShape) -> dict[str, int]:
         "self_attn.q_proj": 2 * r.attention_heads * hd,  # query + gate
         "self_attn.k_proj": r.kv_heads * hd, "self_attn.v_proj": r.kv_heads * hd,
         "mlp.gate_proj": r.intermediate, "mlp.up_proj": r.intermediate,
+        "mlp.shared_expert.gate_proj": r.shared_expert_intermediate,
+        "mlp.shared_expert.up_proj": r.shared_expert_intermediate,
         "embed_tokens": r.vocab, "lm_head": r.vocab, "fc": math.ceil(cfg.hidden_size / r.tp),
     }
-
-
-def _rank_cols(cfg: ModelConfig, r: RankShape) -> dict[str, int]:
-    return {
+    cols = {
         "linear_attn.out_proj": r.gdn_value_heads * cfg.linear_value_head_dim,
         "self_attn.o_proj": r.attention_heads * cfg.head_dim, "mlp.down_proj": r.intermediate,
+        "mlp.shared_expert.down_proj": r.shared_expert_intermediate,
     }
+    return {
+        **{k: (0, v) for k, v in rows.items()}, **{k: (1, v) for k, v in cols.items()},
+        "mlp.experts.gate_up_proj": (1, 2 * r.expert_intermediate),  # [E, 2I, H]
+        "mlp.experts.down_proj": (2, r.expert_intermediate),  # [E, H, I]
+    }
+
+
+EXPERT_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 def _meta_model(cfg: ModelConfig) -> torch.nn.Module:
@@ -101,8 +117,9 @@ def _meta_model(cfg: ModelConfig) -> torch.nn.Module:
 
 
 def _tensors(module: torch.nn.Module, cfg: ModelConfig, r: RankShape, prefix: str = "") -> list[_Tensor]:
-    """module's parameters (names relative to it, prefixed) with their whole-model and per-rank shapes."""
-    rows, cols = _rank_rows(cfg, r), _rank_cols(cfg, r)
+    """module's parameters (names relative to it, prefixed) with their whole-model and per-rank shapes. The
+    3-D expert weights count as linear: FP8 releases quantize them expert by expert."""
+    splits = _rank_splits(cfg, r)
     linear = {name for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
     out = []
     for name, p in module.named_parameters():
@@ -111,12 +128,26 @@ def _tensors(module: torch.nn.Module, cfg: ModelConfig, r: RankShape, prefix: st
         split = re.sub(r"^layers\.\d+\.", "", key)  # an MTP layer splits as a decoder layer does
         shape = tuple(p.shape)
         rank = list(shape)
-        if split in rows:
-            rank[0] = rows[split]
-        elif split in cols:
-            rank[1] = cols[split]
-        out.append(_Tensor(key, shape, tuple(rank), owner in linear))
+        if split in splits:
+            dim, size = splits[split]
+            rank[dim] = size
+        out.append(_Tensor(key, shape, tuple(rank), owner in linear or split in EXPERT_WEIGHTS))
     return out
+
+
+def _active_share(t: _Tensor, cfg: ModelConfig, shape: tuple[int, ...]) -> float:
+    """The share of tensor t one decode token reads: its top-k of the routed experts, its embedding row."""
+    if ".experts." in f".{t.name}":
+        return cfg.num_experts_per_tok / cfg.num_experts
+    if t.name.endswith("embed_tokens"):
+        return 1 / shape[0]
+    return 1.0
+
+
+def _names_module(full_name: str, module: str) -> bool:
+    """Whether a modules_to_not_convert entry names full_name: whole dotted components, so 'mlp.gate' (the
+    router) does not match 'mlp.gate_proj'."""
+    return re.search(rf"(^|\.){re.escape(module)}(\.|$)", full_name) is not None
 
 
 def _vision_tensors(cfg: ModelConfig, tp: int) -> list[_Tensor]:
@@ -160,13 +191,10 @@ def weight_parts(
     include_vision: bool = True,
 ) -> list[WeightPart]:
     """Weights grouped by part, with per-rank bytes in `weight_dtype` (default: fp8 for an FP8 checkpoint,
-    else the config's dtype). With 'fp8', 2-D linear weights not listed as kept are 1 byte each plus one fp32
-    scale per block; everything else stays in the config's dtype."""
-    if cfg.is_moe:
-        raise UnsupportedFeatureError(
-            f"the planner counts dense MLPs only; model_type {cfg.model_type!r} is MoE "
-            f"({cfg.num_experts} experts)"
-        )
+    else the config's dtype). With 'fp8', linear weights (2-D, and the 3-D experts expert by expert) not
+    listed as kept are 1 byte each plus one fp32 scale per block; everything else stays in the config's
+    dtype. Each part also says what one decode token reads of it (active): num_experts_per_tok of the
+    num_experts routed experts, one embedding row, everything else whole."""
     r = rank_shape(cfg, tp)
     quant = cfg.quantization_config or {}
     quant_fp8 = quant.get("quant_method") == "fp8"
@@ -183,22 +211,21 @@ def weight_parts(
         quant.get("modules_to_not_convert") or quant.get("ignored_layers") or DEFAULT_FP8_NOT_CONVERTED
     )
 
-    def nbytes(module: str, tensors: list[_Tensor]) -> int:
-        total = 0
-        for t in tensors:
-            full_name = f"{module}.{t.name}" if module else t.name
-            if fp8 and t.linear and not any(k in full_name for k in not_converted):
-                rows, cols = t.rank
-                scales = math.ceil(rows / block[0]) * math.ceil(cols / block[1])
-                total += rows * cols + scales * FP8_SCALE_BYTES
-            else:
-                total += _numel(t.rank) * DTYPE_BYTES[wdtype if not fp8 else hp_dtype]
-        return total
+    def nbytes(module: str, t: _Tensor) -> int:
+        full_name = f"{module}.{t.name}" if module else t.name
+        if fp8 and t.linear and not any(_names_module(full_name, k) for k in not_converted):
+            *experts, rows, cols = t.rank
+            scales = math.ceil(rows / block[0]) * math.ceil(cols / block[1])
+            return math.prod(experts) * (rows * cols + scales * FP8_SCALE_BYTES)
+        return _numel(t.rank) * DTYPE_BYTES[wdtype if not fp8 else hp_dtype]
 
     def part(name: str, module: str, count: int, tensors: list[_Tensor], included: bool = True) -> WeightPart:
         return WeightPart(
             name=name, count=count, params=sum(_numel(t.full) for t in tensors),
-            params_per_rank=sum(_numel(t.rank) for t in tensors), bytes_per_rank=nbytes(module, tensors),
+            params_per_rank=sum(_numel(t.rank) for t in tensors),
+            bytes_per_rank=sum(nbytes(module, t) for t in tensors),
+            active_params=round(sum(_numel(t.full) * _active_share(t, cfg, t.full) for t in tensors)),
+            active_bytes_per_rank=round(sum(nbytes(module, t) * _active_share(t, cfg, t.rank) for t in tensors)),
             included=included, module=module,
         )
 
@@ -210,6 +237,7 @@ def weight_parts(
     att_i = cfg.attention_layer_ids[0] if cfg.attention_layer_ids else 0
     gdn_layer, att_layer = text.layers[gdn_i], text.layers[att_i]
     norms = [t for t in _tensors(gdn_layer, cfg, r) if t.name.endswith("layernorm")]
+    dense, sparse = cfg.dense_layer_ids, cfg.sparse_layer_ids
     parts = [
         part("embedding", lm, 1, _tensors(text.embed_tokens, cfg, r, "embed_tokens")),
         part("lm_head", "", 0 if cfg.tie_word_embeddings else 1, _tensors(model.lm_head, cfg, r, "lm_head")),
@@ -217,7 +245,19 @@ def weight_parts(
              _tensors(gdn_layer.linear_attn, cfg, r, "linear_attn.") if cfg.gdn_layer_ids else []),
         part("attention mixer", f"{lm}.layers.{att_i}", len(cfg.attention_layer_ids),
              _tensors(att_layer.self_attn, cfg, r, "self_attn.") if cfg.attention_layer_ids else []),
-        part("MLP", f"{lm}.layers.{gdn_i}", cfg.num_hidden_layers, _tensors(gdn_layer.mlp, cfg, r, "mlp.")),
+    ]
+    if dense:
+        mlp = _tensors(text.layers[dense[0]].mlp, cfg, r, "mlp.")
+        parts.append(part("MLP", f"{lm}.layers.{dense[0]}", len(dense), mlp))
+    if sparse:
+        moe, module = text.layers[sparse[0]].mlp, f"{lm}.layers.{sparse[0]}"
+        parts += [
+            part("MoE router", module, len(sparse), _tensors(moe.gate, cfg, r, "mlp.gate")
+                 + _tensors(moe.shared_expert_gate, cfg, r, "mlp.shared_expert_gate")),
+            part("routed experts", module, len(sparse), _tensors(moe.experts, cfg, r, "mlp.experts.")),
+            part("shared expert", module, len(sparse), _tensors(moe.shared_expert, cfg, r, "mlp.shared_expert.")),
+        ]
+    parts += [
         part("layer norms", f"{lm}.layers.{gdn_i}", cfg.num_hidden_layers, norms),
         part("final norm", lm, 1, _tensors(text.norm, cfg, r, "norm")),
     ]
@@ -246,6 +286,9 @@ class MemoryPlan:
     num_gdn_layers: int
     num_kv_cache_layers: int
     rank: RankShape
+    num_experts: int  # 0: dense
+    num_experts_per_tok: int
+    num_sparse_layers: int
     # paged KV of the attention layers (per rank)
     kv_bytes_per_token_per_layer: int
     kv_bytes_per_token: int
@@ -264,6 +307,10 @@ class MemoryPlan:
     # weights (per rank)
     weight_parts: list[WeightPart] = field(default_factory=list)
     weight_bytes: int = 0
+    # what one decode token reads of the loaded text weights (per rank): with MoE, num_experts_per_tok of
+    # the routed experts; one embedding row; the MTP head when speculating; never the vision tower
+    active_weight_bytes: int = 0
+    active_params: int = 0  # whole-model parameters of the text model (no MTP) one decode token reads
     # whole-model parameter counts
     text_params: int = 0
     mtp_params: int = 0
@@ -320,15 +367,18 @@ def plan_memory(
     conv = gdn_conv_bytes_per_layer(cfg, model_dtype, tp)
     per_seq = gdn_state_bytes_per_seq(cfg, model_dtype, ssm_dtype, tp)
     weight_bytes = sum(p.total_bytes_per_rank for p in parts if p.included)
+    active_bytes = sum(p.total_active_bytes_per_rank for p in parts if p.included and p.name != "vision tower")
 
     by_name = {p.name: p for p in parts}
-    text_params = sum(p.total_params for p in parts if p.name not in ("MTP", "vision tower"))
+    text_parts = [p for p in parts if p.name not in ("MTP", "vision tower")]
+    text_params = sum(p.total_params for p in text_parts)
     plan = MemoryPlan(
         tp=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs, block_size=block_size,
         with_mtp=with_mtp, model_dtype=model_dtype, weight_dtype=wdtype, kv_cache_dtype=kv_dtype,
         ssm_state_dtype=ssm_dtype, num_layers=cfg.num_hidden_layers,
         num_attention_layers=len(cfg.attention_layer_ids), num_gdn_layers=len(cfg.gdn_layer_ids),
-        num_kv_cache_layers=n_kv_layers, rank=r,
+        num_kv_cache_layers=n_kv_layers, rank=r, num_experts=cfg.num_experts if cfg.is_moe else 0,
+        num_experts_per_tok=cfg.num_experts_per_tok, num_sparse_layers=len(cfg.sparse_layer_ids),
         kv_bytes_per_token_per_layer=per_tok_layer, kv_bytes_per_token=per_tok_layer * n_kv_layers,
         kv_bytes_per_block=per_block, blocks_per_seq=blocks_per_seq, num_kv_blocks=num_blocks,
         kv_cache_bytes=num_blocks * per_block,
@@ -336,11 +386,14 @@ def plan_memory(
         gdn_state_bytes=per_seq * max_num_seqs,
         num_gdn_snapshots=num_gdn_snapshots, gdn_snapshot_bytes=per_seq * num_gdn_snapshots,
         weight_parts=parts, weight_bytes=weight_bytes, text_params=text_params,
+        active_weight_bytes=active_bytes,
+        active_params=sum(p.count * p.active_params for p in text_parts),
         mtp_params=by_name["MTP"].total_params if "MTP" in by_name else 0,
         vision_params=by_name["vision tower"].total_params if "vision tower" in by_name else 0,
         model_name=model_name,
     )
-    if tp == 1 and wdtype == "float32" and normalize_dtype(cfg.torch_dtype) == "bfloat16":
+    fused = not cfg.is_moe  # the fused step has no MoE block: MoE models run the torch executor
+    if fused and tp == 1 and wdtype == "float32" and normalize_dtype(cfg.torch_dtype) == "bfloat16":
         plan.fused_copy_bytes = fused_copy_bytes(cfg, with_mtp)
     plan.total_bytes = plan.weight_bytes + plan.fused_copy_bytes + plan.cache_bytes
     return plan

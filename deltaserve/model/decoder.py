@@ -11,6 +11,7 @@ from deltaserve.model.context import ForwardContext
 from deltaserve.model.gdn import GatedDeltaNet
 from deltaserve.model.layers import RMSNorm, RotaryEmbedding
 from deltaserve.model.mlp import MLP
+from deltaserve.model.moe import SparseMoeBlock
 
 
 class DecoderLayer(nn.Module):
@@ -26,7 +27,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = GatedAttention(cfg, layer_id)
         else:
             raise ValueError(f"layer {layer_id}: unknown layer type {layer_type!r}")
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = SparseMoeBlock(cfg) if cfg.sparse_mlp(layer_id) else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
@@ -66,11 +67,11 @@ class TextModel(nn.Module):
 
 
 class Qwen3_5ForCausalLM(nn.Module):
-    """Trunk + lm_head (+ the MTP head when the checkpoint has one)."""
+    """Trunk + lm_head (+ the MTP head when the checkpoint has one). Every architecture of
+    deltaserve.config.ARCHITECTURES builds this model; its MLPs are dense or sparse-MoE as the config says."""
 
     def __init__(self, cfg: ModelConfig, with_mtp: bool = False) -> None:
         super().__init__()
-        cfg.check_supported()
         self.config = cfg
         self.model = TextModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

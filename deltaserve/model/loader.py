@@ -1,9 +1,15 @@
 """Load a checkpoint directory (config.json + safetensors) into Qwen3_5ForCausalLM.
 
 Accepted layouts: the official one (`model.language_model.*`, `model.visual.*`, `lm_head.weight`, `mtp.*`)
-and the `Qwen3_5ForCausalLM` one (`model.*`). `model.visual.*` is skipped (no vision tower yet). FP8
+and the `*ForCausalLM` one (`model.*`). `model.visual.*` is skipped (no vision tower yet). FP8
 block-quantized weights (`quantization_config.quant_method == "fp8"`) are dequantized on load with their
 `weight_scale_inv` (one scale per block). A missing, unexpected or mis-shaped tensor is an error naming it.
+
+Some checkpoint tensors fill part of a parameter, or several (deltaserve/model/checkpoint_names.py): MoE
+experts come fused into 3-D tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, the bf16
+releases) or one tensor per expert (`mlp.experts.N.gate_proj.weight`, ..., the FP8 releases and
+transformers' own save), both into the same 3-D parameters; Qwen3-Next's fused GDN projections
+`in_proj_qkvz` / `in_proj_ba` are split into in_proj_qkv, in_proj_z, in_proj_b and in_proj_a.
 """
 
 from __future__ import annotations
@@ -18,6 +24,15 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from deltaserve.config import ModelConfig
+from deltaserve.model.checkpoint_names import (
+    CheckpointError,
+    Target,
+    coverage_problems,
+    exists,
+    split,
+    targets,
+    view,
+)
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 
 log = logging.getLogger(__name__)
@@ -27,10 +42,6 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config: names the tensor or file at fault."""
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig) -> torch.dtype:
@@ -89,7 +100,9 @@ def iter_tensors(path: Path, names: dict[str, Path], keys: list[str]) -> Iterato
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: list[int]) -> torch.Tensor:
-    """W[i, j] = fp8[i, j] * scale_inv[i // bi, j // bj]."""
+    """W[i, j] = fp8[i, j] * scale_inv[i // bi, j // bj]; a 3-D tensor (experts) expert by expert."""
+    if weight.dim() == 3:
+        return torch.stack([dequantize_fp8(w, s, block) for w, s in zip(weight, scale_inv, strict=True)])
     bi, bj = block
     scale = scale_inv.float().repeat_interleave(bi, 0).repeat_interleave(bj, 1)
     return weight.float() * scale[: weight.shape[0], : weight.shape[1]]
@@ -116,10 +129,11 @@ def load_model(
     fp8 = quant.get("quant_method") == "fp8"
     block = list(quant.get("weight_block_size") or [128, 128])
 
-    wanted: dict[str, str] = {}  # checkpoint name -> parameter name
+    wanted: dict[str, list[Target]] = {}  # checkpoint name -> the parameters (or parts) it fills
     unexpected = []
+    arch = cfg.architecture
     for name in names:
-        if name.endswith(".weight_scale_inv") and fp8:
+        if name.endswith("_scale_inv") and fp8:
             continue
         if name.startswith("mtp.") and not load_mtp:
             continue
@@ -128,41 +142,41 @@ def load_model(
             continue
         if target == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the embedding is the head
-        if target not in params:
+        found = targets(target, arch)
+        if not all(exists(t, params) for t in found):
             unexpected.append(name)
             continue
-        wanted[name] = target
+        wanted[name] = found
     if unexpected:
         raise CheckpointError(
             f"unexpected tensor(s) in checkpoint {path}: {', '.join(sorted(unexpected)[:5])}"
             + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
         )
-    loaded = set(wanted.values())
-    if cfg.tie_word_embeddings:
-        loaded.add("lm_head.weight")
-    missing = [p for p in params if p not in loaded]
-    if missing:
+    skip = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    problems = coverage_problems({n: p for n, p in params.items() if n not in skip}, wanted.values())
+    if problems:
         raise CheckpointError(
-            f"checkpoint {path} is missing tensor(s): {', '.join(missing[:5])}"
-            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            f"checkpoint {path} is missing tensor(s): {', '.join(problems[:5])}"
+            + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
         )
 
     with torch.no_grad():
         for name, tensor in iter_tensors(path, names, list(wanted)):
-            target = wanted[name]
-            param = params[target]
             if fp8 and tensor.dtype == torch.float8_e4m3fn:
-                scale_name = name[: -len("weight")] + "weight_scale_inv"
+                scale_name = name + "_scale_inv"  # x.weight -> x.weight_scale_inv; 3-D experts: x_scale_inv
                 if scale_name not in names:
                     raise CheckpointError(f"fp8 tensor {name!r} has no {scale_name!r}")
                 scale = _open(names[scale_name]).get_tensor(scale_name)
                 tensor = dequantize_fp8(tensor, scale, block)
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise CheckpointError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)} "
-                    f"for {target} from config.json"
-                )
-            param.copy_(tensor.to(param.dtype))
+            found = wanted[name]
+            for t, piece in zip(found, split(name, tensor, cfg, found), strict=True):
+                dest = view(params[t.param], t)
+                if tuple(piece.shape) != tuple(dest.shape):
+                    raise CheckpointError(
+                        f"tensor {name!r} has shape {tuple(piece.shape)}, expected {tuple(dest.shape)} "
+                        f"for {t.describe()} from config.json"
+                    )
+                dest.copy_(piece.to(dest.dtype))
     model = model.to(torch_dtype)
     model.eval()
     return model

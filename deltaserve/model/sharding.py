@@ -2,7 +2,10 @@
 
 Tensor parallelism follows vLLM: attention heads nh/tp, KV heads max(1, nkv/tp) (replicated when
 tp > nkv), GDN key/value heads Hk/tp, Hv/tp, MLP width I/tp, embedding and lm_head vocab-parallel
-(vocabulary padded to a multiple of 64, then split), norms replicated."""
+(vocabulary padded to a multiple of 64, then split), norms replicated. Sparse MoE as vLLM's FusedMoE
+without expert parallelism: every rank holds every expert, each with moe_intermediate_size/tp of its
+width (gate|up rows, down columns); the shared expert splits like a dense MLP; the router and the shared
+expert's gate are replicated."""
 
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ class RankShape:
     gdn_value_heads: int
     intermediate: int
     vocab: int  # padded vocabulary rows per rank
+    expert_intermediate: int = 0  # each routed expert's width on one rank
+    shared_expert_intermediate: int = 0
 
 
 def rank_shape(cfg: ModelConfig, tp: int = 1) -> RankShape:
@@ -52,6 +57,8 @@ def rank_shape(cfg: ModelConfig, tp: int = 1) -> RankShape:
         gdn_value_heads=split("linear_num_value_heads", cfg.linear_num_value_heads),
         intermediate=split("intermediate_size", cfg.intermediate_size),
         vocab=math.ceil(padded_vocab / tp),
+        expert_intermediate=split("moe_intermediate_size", cfg.moe_intermediate_size),
+        shared_expert_intermediate=split("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size),
     )
 
 
