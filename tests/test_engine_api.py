@@ -85,7 +85,7 @@ def test_stop_token_ids_and_eos(path: Path) -> None:
             EngineConfigError,
             "speculative_config.method 'ngram'",
         ),
-        (dict(tensor_parallel_size=2), UnsupportedFeatureError, "tensor_parallel_size=2"),
+        (dict(tensor_parallel_size=0), EngineConfigError, "tensor_parallel_size must be a positive integer"),
         (dict(kv_cache_dtype="fp8"), EngineConfigError, "kv_cache_dtype 'fp8'"),
         (dict(max_num_seqs=0), EngineConfigError, "max_num_seqs"),
     ],
@@ -138,8 +138,8 @@ def test_cli_generate_prints_text(text_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_cli_reports_user_errors_in_one_line(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = cli_main(["generate", "--model", str(path), "--prompt", "x", "--tensor-parallel-size", "2"])
-    assert rc == 2 and "tensor_parallel_size=2" in capsys.readouterr().err
+    rc = cli_main(["generate", "--model", str(path), "--prompt", "x", "--tensor-parallel-size", "3"])
+    assert rc == 2 and "tensor parallel size 3 must be a multiple of num_key_value_heads (2)" in capsys.readouterr().err
 
 
 def test_request_ids_of_live_sequences_cannot_collide(path: Path) -> None:

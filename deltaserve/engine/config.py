@@ -71,10 +71,6 @@ class EngineConfig:
             )
         if self.speculative_config is not None:
             validate_speculative_config(self.speculative_config)
-        if self.tensor_parallel_size != 1:
-            raise UnsupportedFeatureError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported on this engine; use 1"
-            )
 
 
 SPEC_METHODS = ("mtp",)

@@ -15,6 +15,7 @@ import torch
 from deltaserve.cache.manager import CacheManager, CacheUsage
 from deltaserve.cache.sizing import CacheSizeError, plan_cache
 from deltaserve.cache.tensors import allocate_cache
+from deltaserve.config import ModelConfig
 from deltaserve.engine.config import EngineConfig, EngineConfigError
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.logits_head import LogitsHead
@@ -24,9 +25,10 @@ from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_params_for_vocab
 from deltaserve.engine.scheduler import Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder
-from deltaserve.executor import make_executor
+from deltaserve.executor import make_executor, start_tensor_parallel
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 from deltaserve.model.loader import load_model
+from deltaserve.model.sharding import rank_config
 from deltaserve.outputs import RequestOutput, SpecDecodeMetrics
 from deltaserve.sampling import SamplingParams
 
@@ -67,28 +69,49 @@ class LLMEngine:
         dtype = torch.float32 if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
         path = self._model_path()
         k = config.num_speculative_tokens
-        # Speculation drafts with the checkpoint's MTP head: the loader names a checkpoint without mtp.*.
-        self.model = model if model is not None else load_model(path, dtype, with_mtp=k > 0)
-        if k and self.model.mtp is None:
-            raise EngineConfigError(
-                "speculative_config method 'mtp' needs the model's MTP head, and this model has none "
-                "(no mtp.* tensors); drop speculative_config"
-            )
-        self.model_config = self.model.config
+        tp = config.tensor_parallel_size
+        if tp > 1:
+            if model is not None:
+                raise EngineConfigError(
+                    f"tensor_parallel_size={tp} loads each rank's shard from the checkpoint: pass a model path, "
+                    "not a model object"
+                )
+            # The shards are loaded with the cache below; an indivisible shape fails here, before any start.
+            self.model_config = ModelConfig.from_file(path)
+        else:
+            # Speculation drafts with the checkpoint's MTP head: the loader names a checkpoint without mtp.*.
+            self.model = model if model is not None else load_model(path, dtype, with_mtp=k > 0)
+            if k and self.model.mtp is None:
+                raise EngineConfigError(
+                    "speculative_config method 'mtp' needs the model's MTP head, and this model has none "
+                    "(no mtp.* tensors); drop speculative_config"
+                )
+            self.model_config = self.model.config
+        rank_cfg = rank_config(self.model_config, tp)  # each rank's heads: the cache budget is per rank
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else TORCH_DTYPES[config.kv_cache_dtype]
         try:
             plan = plan_cache(
-                self.model_config, kv_dtype, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+                rank_cfg, kv_dtype, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                 max_model_len=config.max_model_len, kv_cache_memory=config.kv_cache_memory,
                 num_kv_blocks=config.num_kv_blocks, with_mtp=k > 0,
             )
         except CacheSizeError as e:
             raise EngineConfigError(str(e)) from None
         self.max_model_len = plan.max_model_len
-        self.cache_tensors = allocate_cache(
-            self.model_config, plan.num_blocks, config.block_size, plan.num_slots, kv_dtype, with_mtp=k > 0
-        )
+        if tp > 1:
+            self.executor = start_tensor_parallel(
+                str(path), dtype, tp, with_mtp=k > 0, num_blocks=plan.num_blocks, block_size=config.block_size,
+                num_slots=plan.num_slots, kv_dtype=kv_dtype,
+            )
+            self.model, self.cache_tensors = self.executor.model, self.executor.cache  # rank 0's shard
+        else:
+            self.cache_tensors = allocate_cache(
+                self.model_config, plan.num_blocks, config.block_size, plan.num_slots, kv_dtype, with_mtp=k > 0
+            )
+            self.executor = make_executor(
+                self.model, self.cache_tensors, enforce_eager=config.enforce_eager, with_mtp=k > 0
+            )
         self.cache = CacheManager(plan.num_blocks, config.block_size, plan.num_slots)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
@@ -99,9 +122,6 @@ class LLMEngine:
             self.cache, config.max_num_seqs, config.max_num_batched_tokens, self.output_processor, k
         )
         sampler = Sampler(self.eos_token_ids)
-        self.executor = make_executor(
-            self.model, self.cache_tensors, enforce_eager=config.enforce_eager, with_mtp=k > 0
-        )
         head = LogitsHead(self.executor.compute_logits, self.executor.greedy_tokens)
         spec = None
         self.spec_metrics: SpecDecodeMetrics | None = None
@@ -222,6 +242,14 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.groups)
+
+    def check_health(self) -> None:
+        """Raise if steps can no longer run (a tensor-parallel rank died): the server's /health asks."""
+        self.executor.check_health()
+
+    def close(self) -> None:
+        """Stop what the executor started (tensor-parallel workers); the engine runs no step after it."""
+        self.executor.close()
 
     # ---- the loop -------------------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:

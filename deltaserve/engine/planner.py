@@ -80,7 +80,7 @@ def _rank_rows(cfg: ModelConfig, r: RankShape) -> dict[str, int]:
         "self_attn.q_proj": 2 * r.attention_heads * hd,  # query + gate
         "self_attn.k_proj": r.kv_heads * hd, "self_attn.v_proj": r.kv_heads * hd,
         "mlp.gate_proj": r.intermediate, "mlp.up_proj": r.intermediate,
-        "embed_tokens": r.vocab, "lm_head": r.vocab, "fc": math.ceil(cfg.hidden_size / r.tp),
+        "embed_tokens": r.vocab, "lm_head": r.vocab,  # mtp.fc is replicated (model/sharding.py rank_slice)
     }
 
 

@@ -19,6 +19,8 @@ from tqdm import tqdm
 
 from deltaserve.config import ModelConfig
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
+from deltaserve.model.parallel import SINGLE, Shard
+from deltaserve.model.sharding import rank_slice
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +98,12 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: list[in
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype | None = None, with_mtp: bool | None = None
+    path: str | Path, dtype: str | torch.dtype | None = None, with_mtp: bool | None = None,
+    shard: Shard = SINGLE,
 ) -> Qwen3_5ForCausalLM:
-    """Build the model from a checkpoint directory. with_mtp None: load the MTP head when present."""
+    """Build the model from a checkpoint directory. with_mtp None: load the MTP head when present.
+    shard: with size N > 1, build rank shard.rank's part and keep each tensor's rank slice (rank_slice);
+    a shape that does not split into N gets a ConfigError naming the heads and N."""
     path = Path(path)
     cfg = ModelConfig.from_file(path)
     torch_dtype = resolve_dtype(dtype, cfg)
@@ -110,7 +115,7 @@ def load_model(
     if cfg.vision is not None and any(n.startswith("model.visual.") for n in names):
         log.info("skipping the vision tower (model.visual.*): deltaserve serves text only for now")
 
-    model = Qwen3_5ForCausalLM(cfg, with_mtp=load_mtp)
+    model = Qwen3_5ForCausalLM(cfg, with_mtp=load_mtp, shard=shard)
     params = dict(model.named_parameters(remove_duplicate=False))
     quant = cfg.quantization_config or {}
     fp8 = quant.get("quant_method") == "fp8"
@@ -157,6 +162,7 @@ def load_model(
                     raise CheckpointError(f"fp8 tensor {name!r} has no {scale_name!r}")
                 scale = _open(names[scale_name]).get_tensor(scale_name)
                 tensor = dequantize_fp8(tensor, scale, block)
+            tensor = rank_slice(target, tensor, cfg, shard.rank, shard.size)
             if tuple(tensor.shape) != tuple(param.shape):
                 raise CheckpointError(
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)} "
