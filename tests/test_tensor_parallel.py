@@ -7,6 +7,7 @@ indivisible shape's error; a killed worker's prompt error."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,6 +127,33 @@ def test_killed_worker_fails_the_next_step_naming_its_rank(tmp_path: Path) -> No
         with pytest.raises(TensorParallelError, match="worker rank 1"):
             engine.step()
         assert time.monotonic() - started < 5  # the liveness check, not a collective's timeout
+    finally:
+        engine.close()
+
+
+def test_worker_killed_while_generating_stops_the_engine_promptly(tmp_path: Path) -> None:
+    """Killed at some point of a long generation: inside a collective or between calls, the step raises
+    (the collective fails on the closed connection, not after its timeout) and names the rank."""
+    path = save_official_layout(random_hf_model(dict(TINY, max_position_embeddings=2048), seed=9), tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(path), tensor_parallel_size=2, max_num_seqs=2, max_model_len=2048,
+                                    num_kv_blocks=2 * 128))
+    killed: list[float] = []
+
+    def kill() -> None:
+        time.sleep(0.5)
+        engine.executor.workers[0].kill()
+        killed.append(time.monotonic())
+
+    try:
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2000, ignore_eos=True))
+        engine.step()
+        killer = threading.Thread(target=kill)
+        killer.start()
+        with pytest.raises(TensorParallelError, match="worker rank 1"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        killer.join()
+        assert time.monotonic() - killed[0] < 10  # far inside the 120 s collective timeout
     finally:
         engine.close()
 
