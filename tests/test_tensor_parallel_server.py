@@ -16,7 +16,7 @@ import pytest
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.assets import DEMO_DIR
-from tests.server_process import ServerProcess, text_checkpoint
+from tests.server_process import ServerProcess, serving, text_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not (DEMO_DIR / "tokenizer.json").exists(), reason="the demo tokenizer is not in the package yet"
@@ -34,12 +34,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     args = ["--served-model-name", MODEL, "--max-model-len", "256", "--max-num-seqs", "4",
             "--tensor-parallel-size", "2"]
-    proc = ServerProcess(ckpt, args, tmp_path_factory.mktemp("log") / "server.log")
-    try:
-        proc.wait_ready()
+    with serving(ckpt, args, tmp_path_factory.mktemp("log") / "server.log") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def worker_pids(parent: int) -> list[int]:
