@@ -35,7 +35,7 @@ from deltaserve.executor.tp_protocol import (
     pack_step,
     send,
 )
-from deltaserve.executor.tp_rank import RankSpec, build_rank, gather_ints
+from deltaserve.executor.tp_rank import DTYPE_NAMES, RankSpec, build_rank, gather_ints
 from deltaserve.model.context import CacheTensors, ForwardContext
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 from deltaserve.model.parallel import Shard
@@ -185,8 +185,6 @@ def start_tensor_parallel(
     With RANK set in the environment the other ranks are launched elsewhere (torchrun-style: MASTER_ADDR,
     MASTER_PORT, WORLD_SIZE=tp, RANK=0 here); otherwise ranks 1..tp-1 start here as local processes on a
     free loopback port."""
-    from deltaserve.executor.tp_rank import DTYPE_NAMES
-
     external = "RANK" in os.environ
     if external:
         rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "-1"))

@@ -5,6 +5,7 @@ from rank 0 (three collectives at most, no pickles on the step path)."""
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 
 import torch
@@ -112,8 +113,6 @@ def cache_bytes(cache: CacheTensors) -> int:
 def collective_timeout_s() -> float:
     """How long a rank waits in one collective before it gives up (DELTASERVE_TP_TIMEOUT, seconds). An idle
     driver sends a heartbeat well within it, so only a rank that stopped answering runs into it."""
-    import os
-
     return float(os.environ.get("DELTASERVE_TP_TIMEOUT", "120"))
 
 
