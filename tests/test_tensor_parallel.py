@@ -21,7 +21,9 @@ from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.engine.planner import plan_memory
 from deltaserve.executor import TensorParallelError
 from deltaserve.model.context import ForwardContext
-from deltaserve.model.parallel import ShardOutsideStepError
+from deltaserve.model.loader import load_model
+from deltaserve.model.parallel import Shard, ShardOutsideStepError
+from deltaserve.model.sharding import rank_slice
 from deltaserve.sampling import SamplingParams
 from tests.checkpoints import RATIOS_27B, TINY, random_hf_model, random_mtp_tensors, save_official_layout
 
@@ -112,6 +114,30 @@ def test_replicated_kv_heads_tied_embeddings_and_the_plan(tmp_path: Path) -> Non
         assert plan.cache_bytes < plan_memory(cfg, MAX_LEN, SEQS, tp=1, block_size=BLOCK, dtype="float32").cache_bytes
         weights = {p.data_ptr(): p.numel() * p.element_size() for p in two.model.parameters()}  # tied once
         assert sum(weights.values()) == plan.weight_bytes
+
+
+def test_each_rank_reads_its_part_of_every_tensor(tmp_path: Path) -> None:
+    """Without a process group: the two ranks' parameters (read as safetensors slices) are the whole
+    model's split by heads, laid out as the layers expect; replicated ones are whole."""
+    path = save_official_layout(random_hf_model(TINY, seed=4), tmp_path, random_mtp_tensors(TINY, seed=4))
+    whole = dict(load_model(path).named_parameters())
+    ranks = [dict(load_model(path, shard=Shard(r, 2)).named_parameters()) for r in range(2)]
+    cfg = ModelConfig.from_file(path)
+    for name, p in whole.items():
+        for r in range(2):
+            assert torch.equal(ranks[r][name], rank_slice(name, p, cfg, r, 2)), name
+    layer = "model.layers.0.linear_attn."
+    kd, vd = cfg.linear_key_dim, cfg.linear_value_dim
+    qkv = [ranks[r][layer + "in_proj_qkv.weight"] for r in range(2)]  # each [q | k | v] of its heads
+    half = [kd // 2, kd // 2, vd // 2]
+    joined = [torch.cat([q.split(half)[i] for q in qkv]) for i in range(3)]
+    assert torch.equal(torch.cat(joined), whole[layer + "in_proj_qkv.weight"])
+    o = "model.layers.3.self_attn.o_proj.weight"
+    assert torch.equal(torch.cat([ranks[0][o], ranks[1][o]], dim=1), whole[o])
+    emb = "model.embed_tokens.weight"  # 96 rows padded to 128: rank 1 holds 32 real and 32 zero rows
+    assert torch.equal(torch.cat([ranks[0][emb], ranks[1][emb]])[:96], whole[emb])
+    assert not ranks[1][emb][32:].any()
+    assert torch.equal(ranks[1]["mtp.fc.weight"], whole["mtp.fc.weight"])
 
 
 def test_killed_worker_fails_the_next_step_naming_its_rank(tmp_path: Path) -> None:

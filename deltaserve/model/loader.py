@@ -20,7 +20,7 @@ from tqdm import tqdm
 from deltaserve.config import ModelConfig
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 from deltaserve.model.parallel import SINGLE, Shard
-from deltaserve.model.sharding import rank_slice
+from deltaserve.model.sharding import RankPart, rank_part, rank_slice
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +78,19 @@ def map_name(name: str) -> str | None:
     return name
 
 
-def iter_tensors(path: Path, names: dict[str, Path], keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(
+    path: Path, names: dict[str, Path], keys: list[str], parts: dict[str, RankPart] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """parts: for a tensor-parallel rank, the part of each split tensor to read (only that part is read)."""
+    parts = parts or {}
     handles: dict[Path, object] = {}
     for key in tqdm(keys, desc=f"loading {path.name}", unit="tensor", leave=False):
         file = names[key]
         if file not in handles:
             handles[file] = _open(file)
         try:
-            yield key, handles[file].get_tensor(key)
+            part = parts.get(key)
+            yield key, handles[file].get_tensor(key) if part is None else part.take(handles[file].get_slice(key))
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"tensor {key!r} in {file} cannot be read: {e}") from e
 
@@ -152,8 +157,13 @@ def load_model(
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         )
 
+    # A rank reads only its part of each split tensor; fp8 weights are read whole, since their scales come
+    # in blocks, and sliced once dequantized.
+    parts = {} if fp8 else {
+        n: p for n, t in wanted.items() if (p := rank_part(t, cfg, shard.rank, shard.size)) is not None
+    }
     with torch.no_grad():
-        for name, tensor in iter_tensors(path, names, list(wanted)):
+        for name, tensor in iter_tensors(path, names, list(wanted), parts):
             target = wanted[name]
             param = params[target]
             if fp8 and tensor.dtype == torch.float8_e4m3fn:
@@ -162,7 +172,8 @@ def load_model(
                     raise CheckpointError(f"fp8 tensor {name!r} has no {scale_name!r}")
                 scale = _open(names[scale_name]).get_tensor(scale_name)
                 tensor = dequantize_fp8(tensor, scale, block)
-            tensor = rank_slice(target, tensor, cfg, shard.rank, shard.size)
+            if fp8:
+                tensor = rank_slice(target, tensor, cfg, shard.rank, shard.size)
             if tuple(tensor.shape) != tuple(param.shape):
                 raise CheckpointError(
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)} "
