@@ -115,9 +115,10 @@ class TensorParallelExecutor(Executor):
                     pass
         for proc in self.workers:
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=10 if self.error is None else 0)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -129,8 +130,8 @@ class TensorParallelExecutor(Executor):
             try:
                 send(msg)
                 return run()
-            except RuntimeError as e:  # torch.distributed's errors (DistBackendError too) are RuntimeErrors
-                self._fail(e)
+            except Exception as e:  # a collective that failed, or rank 0's own error: the ranks are out of step
+                self._fail(f"a tensor-parallel {msg.command.name} call failed ({type(e).__name__}: {e})")
                 raise TensorParallelError(self.error) from e
             finally:
                 self.shard.in_step = False
@@ -141,18 +142,23 @@ class TensorParallelExecutor(Executor):
             if code is not None and self.error is None:
                 self.error = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
                 log.error("%s", self.error)
+                self._kill_workers()
 
-    def _fail(self, e: BaseException) -> None:
-        """A collective failed: name the dead rank if a local one is (give it a moment to be reaped)."""
+    def _fail(self, what: str) -> None:
+        """A call failed: name the dead rank if a local one is (give it a moment to be reaped)."""
         deadline = time.monotonic() + 2.0
-        while self.error is None and time.monotonic() < deadline:
+        while self.workers and self.error is None and time.monotonic() < deadline:
             self._check_workers()
             if self.error is None:
                 time.sleep(0.05)
         if self.error is None:
-            self.error = f"a tensor-parallel collective failed (a rank stopped or stopped answering): {e}"
+            self.error = f"{what}; a rank stopped or stopped answering, or rank 0 failed"
             log.error("%s", self.error)
-        for proc in self.workers:  # the others cannot go on without it
+            self._kill_workers()
+
+    def _kill_workers(self) -> None:
+        """After one rank failed: the others cannot go on without it."""
+        for proc in self.workers:
             if proc.poll() is None:
                 proc.kill()
 
@@ -171,7 +177,7 @@ class TensorParallelExecutor(Executor):
                     self._last_call = time.monotonic()
                     send(Message(Command.HEARTBEAT, torch.zeros(0, dtype=torch.long)))
             except RuntimeError as e:
-                self._fail(e)
+                self._fail(f"a tensor-parallel heartbeat failed ({e})")
             finally:
                 self._lock.release()
 
