@@ -195,7 +195,7 @@ def start_tensor_parallel(
     if external:
         rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "-1"))
         if rank != 0 or world != tp:
-            raise TensorParallelError(
+            raise ValueError(  # the user's launch, not a failure: the CLI prints it as one line
                 f"the engine is rank 0 of tensor_parallel_size={tp}: set RANK=0 and WORLD_SIZE={tp} "
                 f"(got RANK={rank}, WORLD_SIZE={world}); start ranks 1..{tp - 1} with `deltaserve worker`"
             )
