@@ -134,6 +134,21 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- worker -----------------------------------------------------------------------------------------
+def add_worker_parser(sub: argparse._SubParsersAction) -> None:
+    from deltaserve.executor.tp_worker import MODEL_HELP
+
+    p = sub.add_parser("worker", help="a tensor-parallel rank 1..N-1 (env:// rendezvous with the engine, rank 0)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.set_defaults(func=run_worker)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from deltaserve.executor.tp_worker import run
+
+    return run(args.model)
+
+
 # ---- other subcommands: each author adds an add_<name>_parser(sub) here and to SUBCOMMANDS ----------
 # serve:   add_serve_parser   (HTTP server; reuse add_engine_args / engine_kwargs)
 # chat:    add_chat_parser    (interactive chat loop)
@@ -147,6 +162,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_serve_parser,
     add_bench_parser,
     add_inspect_parser,
+    add_worker_parser,
 ]
 
 

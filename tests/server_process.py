@@ -4,12 +4,14 @@ fine for checks of format, equality and cache hygiene)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -87,3 +89,14 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+@contextlib.contextmanager
+def serving(model: Path | None, args: list[str], log_path: Path) -> Iterator[ServerProcess]:
+    """A started, healthy server for the with-block; stopped after it."""
+    proc = ServerProcess(model, args, log_path)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()

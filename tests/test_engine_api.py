@@ -91,7 +91,7 @@ def test_stop_token_ids_and_eos(path: Path) -> None:
             EngineConfigError,
             "speculative_config.method 'ngram'",
         ),
-        (dict(tensor_parallel_size=2), UnsupportedFeatureError, "tensor_parallel_size=2"),
+        (dict(tensor_parallel_size=0), EngineConfigError, "tensor_parallel_size must be a positive integer"),
         (dict(kv_cache_dtype="fp8"), EngineConfigError, "kv_cache_dtype 'fp8'"),
         (dict(max_num_seqs=0), EngineConfigError, "max_num_seqs"),
     ],
@@ -144,8 +144,8 @@ def test_cli_generate_prints_text(text_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_cli_reports_user_errors_in_one_line(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = cli_main(["generate", "--model", str(path), "--prompt", "x", "--tensor-parallel-size", "2"])
-    assert rc == 2 and "tensor_parallel_size=2" in capsys.readouterr().err
+    rc = cli_main(["generate", "--model", str(path), "--prompt", "x", "--tensor-parallel-size", "3"])
+    assert rc == 2 and "tensor parallel size 3 must be a multiple of num_key_value_heads (2)" in capsys.readouterr().err
 
 
 def test_request_ids_of_live_sequences_cannot_collide(path: Path) -> None:
@@ -180,3 +180,10 @@ def test_finished_only_steps_report_just_the_finished_requests(path: Path) -> No
         assert out.outputs[0].token_ids == last[rid].outputs[0].token_ids
         assert out.outputs[0].text == last[rid].outputs[0].text
     assert sorted(finals) == ["r0", "r1"]
+
+
+def test_prefix_caching_is_off_under_tensor_parallelism() -> None:
+    """Each rank holds its heads' GDN states, and snapshots are taken on the driver's only: not combined yet."""
+    assert EngineConfig(tensor_parallel_size=2).enable_prefix_caching is False
+    with pytest.raises(UnsupportedFeatureError, match="prefix caching does not run under tensor parallelism"):
+        EngineConfig(tensor_parallel_size=2, enable_prefix_caching=True)

@@ -78,10 +78,6 @@ class EngineConfig:
         self._check_prefix_caching()
         if self.speculative_config is not None:
             validate_speculative_config(self.speculative_config)
-        if self.tensor_parallel_size != 1:
-            raise UnsupportedFeatureError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported on this engine; use 1"
-            )
 
     def _check_prefix_caching(self) -> None:
         for name in ("mamba_block_size", "num_gdn_snapshots"):
@@ -105,6 +101,14 @@ class EngineConfig:
             raise EngineConfigError(
                 f"mamba_block_size={self.mamba_block_size} must be a multiple of block_size={self.block_size}"
             )
+        if self.tensor_parallel_size > 1:
+            # The GDN snapshots would have to be taken on every rank (each holds its heads' states).
+            if self.enable_prefix_caching:
+                raise UnsupportedFeatureError(
+                    "prefix caching does not run under tensor parallelism yet; drop enable_prefix_caching or "
+                    "run with tensor_parallel_size=1"
+                )
+            self.enable_prefix_caching = False
         if self.enable_prefix_caching is not False:
             self.mamba_cache_mode = "align"
 

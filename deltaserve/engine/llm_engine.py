@@ -17,6 +17,7 @@ from deltaserve.cache.prefix_cache import PrefixCacheStats
 from deltaserve.cache.sizing import CacheOptions, CacheSizeError, plan_cache
 from deltaserve.cache.snapshots import SnapshotPool
 from deltaserve.cache.tensors import allocate_cache
+from deltaserve.config import ModelConfig
 from deltaserve.engine.config import EngineConfig, EngineConfigError
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.logits_head import LogitsHead
@@ -27,9 +28,10 @@ from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_par
 from deltaserve.engine.scheduler import Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder
 from deltaserve.engine.threads import set_compute_threads
-from deltaserve.executor import make_executor
+from deltaserve.executor import make_executor, start_tensor_parallel
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 from deltaserve.model.loader import load_model
+from deltaserve.model.sharding import rank_config
 from deltaserve.outputs import RequestOutput, SpecDecodeMetrics
 from deltaserve.sampling import SamplingParams
 
@@ -72,24 +74,45 @@ class LLMEngine:
         dtype = torch.float32 if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
         path = self._model_path()
         k = config.num_speculative_tokens
-        # Speculation drafts with the checkpoint's MTP head: the loader names a checkpoint without mtp.*.
-        self.model = model if model is not None else load_model(path, dtype, with_mtp=k > 0)
-        if k and self.model.mtp is None:
-            raise EngineConfigError(
-                "speculative_config method 'mtp' needs the model's MTP head, and this model has none "
-                "(no mtp.* tensors); drop speculative_config"
-            )
-        self.model_config = self.model.config
+        tp = config.tensor_parallel_size
+        if tp > 1:
+            if model is not None:
+                raise EngineConfigError(
+                    f"tensor_parallel_size={tp} loads each rank's shard from the checkpoint: pass a model path, "
+                    "not a model object"
+                )
+            # The shards are loaded with the cache below; an indivisible shape fails here, before any start.
+            self.model_config = ModelConfig.from_file(path)
+        else:
+            # Speculation drafts with the checkpoint's MTP head: the loader names a checkpoint without mtp.*.
+            self.model = model if model is not None else load_model(path, dtype, with_mtp=k > 0)
+            if k and self.model.mtp is None:
+                raise EngineConfigError(
+                    "speculative_config method 'mtp' needs the model's MTP head, and this model has none "
+                    "(no mtp.* tensors); drop speculative_config"
+                )
+            self.model_config = self.model.config
+        rank_cfg = rank_config(self.model_config, tp)  # each rank's heads: the cache budget is per rank
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else TORCH_DTYPES[config.kv_cache_dtype]
         try:
-            plan = plan_cache(self.model_config, kv_dtype, CacheOptions.of(config), with_mtp=k > 0)
+            plan = plan_cache(rank_cfg, kv_dtype, CacheOptions.of(config), with_mtp=k > 0)
         except CacheSizeError as e:
             raise EngineConfigError(str(e)) from None
         self.max_model_len = plan.max_model_len
-        self.cache_tensors = allocate_cache(
-            self.model_config, plan.num_blocks, config.block_size, plan.num_slots, kv_dtype, with_mtp=k > 0
-        )
+        if tp > 1:
+            self.executor = start_tensor_parallel(
+                str(path), dtype, tp, with_mtp=k > 0, num_blocks=plan.num_blocks, block_size=config.block_size,
+                num_slots=plan.num_slots, kv_dtype=kv_dtype,
+            )
+            self.model, self.cache_tensors = self.executor.model, self.executor.cache  # rank 0's shard
+        else:
+            self.cache_tensors = allocate_cache(
+                self.model_config, plan.num_blocks, config.block_size, plan.num_slots, kv_dtype, with_mtp=k > 0
+            )
+            self.executor = make_executor(
+                self.model, self.cache_tensors, enforce_eager=config.enforce_eager, with_mtp=k > 0
+            )
         snapshots = SnapshotPool(self.cache_tensors, plan.num_snapshots) if plan.num_snapshots else None
         self.cache = CacheManager(
             plan.num_blocks, config.block_size, plan.num_slots, snapshots, config.mamba_block_size, with_mtp=k > 0
@@ -103,9 +126,6 @@ class LLMEngine:
             self.cache, config.max_num_seqs, config.max_num_batched_tokens, self.output_processor, k
         )
         sampler = Sampler(self.eos_token_ids)
-        self.executor = make_executor(
-            self.model, self.cache_tensors, enforce_eager=config.enforce_eager, with_mtp=k > 0
-        )
         head = LogitsHead(self.executor.compute_logits, self.executor.greedy_tokens)
         spec = None
         self.spec_metrics: SpecDecodeMetrics | None = None
@@ -231,6 +251,14 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.groups)
+
+    def check_health(self) -> None:
+        """Raise if steps can no longer run (a tensor-parallel rank died): the server's /health asks."""
+        self.executor.check_health()
+
+    def close(self) -> None:
+        """Stop what the executor started (tensor-parallel workers); the engine runs no step after it."""
+        self.executor.close()
 
     # ---- the loop -------------------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:

@@ -90,7 +90,7 @@ def _rank_splits(cfg: ModelConfig, r: RankShape) -> dict[str, tuple[int, int]]:
         "mlp.gate_proj": r.intermediate, "mlp.up_proj": r.intermediate,
         "mlp.shared_expert.gate_proj": r.shared_expert_intermediate,
         "mlp.shared_expert.up_proj": r.shared_expert_intermediate,
-        "embed_tokens": r.vocab, "lm_head": r.vocab, "fc": math.ceil(cfg.hidden_size / r.tp),
+        "embed_tokens": r.vocab, "lm_head": r.vocab,  # mtp.fc is replicated (model/sharding.py rank_slice)
     }
     cols = {
         "linear_attn.out_proj": r.gdn_value_heads * cfg.linear_value_head_dim,

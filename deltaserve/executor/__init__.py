@@ -1,9 +1,13 @@
 """Runs the model for one engine step, behind one interface (base.Executor), picked in one place
-(factory.make_executor): the torch reference executor or the fused CPU executor."""
+(factory.make_executor): the torch reference executor or the fused CPU executor. With tensor parallelism
+(start_tensor_parallel) the engine gets the TP executor, whose ranks each run the torch reference executor."""
 
 from deltaserve.executor.base import Executor
 from deltaserve.executor.factory import make_executor
 from deltaserve.executor.fused_cpu.memory import fused_copy_bytes
+from deltaserve.executor.tensor_parallel import TensorParallelError, start_tensor_parallel
 from deltaserve.executor.torch_executor import TorchExecutor
 
-__all__ = ["Executor", "TorchExecutor", "fused_copy_bytes", "make_executor"]
+__all__ = [
+    "Executor", "TensorParallelError", "TorchExecutor", "fused_copy_bytes", "make_executor", "start_tensor_parallel",
+]

@@ -35,6 +35,14 @@ class Executor(ABC):
                    ) -> torch.Tensor:
         """The MTP head's hidden [T, H] from trunk (or previous MTP) hidden at t and token t+1."""
 
+    def check_health(self) -> None:
+        """Raise if steps can no longer run (a tensor-parallel rank died); one process is always healthy."""
+        return None
+
+    def close(self) -> None:
+        """Release what the executor started (tensor-parallel workers); nothing for one process."""
+        return None
+
     @abstractmethod
     def commit_verified(self, ctx: ForwardContext, accepted: list[int]) -> None:
         """Each verify segment's GDN slot takes the state after its last accepted position (row accepted[r]

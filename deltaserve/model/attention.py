@@ -10,13 +10,16 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.layers import RMSNorm, RotaryEmbedding
+from deltaserve.model.parallel import SINGLE, Shard
 from deltaserve.ops.attention import decode_attention, prefill_attention, write_kv
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, shard: Shard = SINGLE) -> None:
+        """cfg: this rank's heads (model/sharding.py rank_config); o_proj's partial sums meet in shard."""
         super().__init__()
         self.layer_id = layer_id
+        self.shard = shard
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -43,7 +46,7 @@ class GatedAttention(nn.Module):
             ctx.trace.attention(self, q, k, v, gate)
         out = self._attend(q, k, v, ctx)  # [T, nh, hd]
         out = out.reshape(T, nh * hd) * torch.sigmoid(gate.reshape(T, nh * hd))
-        return self.o_proj(out)
+        return self.shard.all_reduce(self.o_proj(out))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if ctx.cache is None:

@@ -12,22 +12,26 @@ from deltaserve.model.gdn import GatedDeltaNet
 from deltaserve.model.layers import RMSNorm, RotaryEmbedding
 from deltaserve.model.mlp import MLP
 from deltaserve.model.moe import SparseMoeBlock
+from deltaserve.model.parallel import SINGLE, Shard, VocabParallelEmbedding
+from deltaserve.model.sharding import rank_config, rank_shape
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x += mixer(input_layernorm(x)); x += mlp(post_attention_layernorm(x))."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, layer_type: str) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, layer_type: str, shard: Shard = SINGLE) -> None:
+        """cfg: this rank's heads and MLP width (rank_config); shard: where row-parallel sums meet."""
         super().__init__()
         self.layer_id = layer_id
         self.layer_type = layer_type
         if layer_type == LINEAR_ATTENTION:
-            self.linear_attn = GatedDeltaNet(cfg, layer_id)
+            self.linear_attn = GatedDeltaNet(cfg, layer_id, shard)
         elif layer_type == FULL_ATTENTION:
-            self.self_attn = GatedAttention(cfg, layer_id)
+            self.self_attn = GatedAttention(cfg, layer_id, shard)
         else:
             raise ValueError(f"layer {layer_id}: unknown layer type {layer_type!r}")
-        self.mlp = SparseMoeBlock(cfg) if cfg.sparse_mlp(layer_id) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (SparseMoeBlock(cfg) if cfg.sparse_mlp(layer_id)
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, shard))
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
@@ -47,11 +51,19 @@ class DecoderLayer(nn.Module):
         return y + ffn
 
 
+def vocab_embedding(cfg: ModelConfig, shard: Shard) -> nn.Module:
+    """The whole vocabulary's embedding, or with tensor parallelism this rank's rows of it."""
+    if shard.size == 1:
+        return nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    return VocabParallelEmbedding(rank_shape(cfg, shard.size).vocab, cfg.hidden_size, shard)
+
+
 class TextModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, t) for i, t in enumerate(cfg.layer_types))
+        self.embed_tokens = vocab_embedding(cfg, shard)
+        layer_cfg = rank_config(cfg, shard.size)
+        self.layers = nn.ModuleList(DecoderLayer(layer_cfg, i, t, shard) for i, t in enumerate(cfg.layer_types))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(
             cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved
@@ -68,30 +80,40 @@ class TextModel(nn.Module):
 
 class Qwen3_5ForCausalLM(nn.Module):
     """Trunk + lm_head (+ the MTP head when the checkpoint has one). Every architecture of
-    deltaserve.config.ARCHITECTURES builds this model; its MLPs are dense or sparse-MoE as the config says."""
+    deltaserve.config.ARCHITECTURES builds this model; its MLPs are dense or sparse-MoE as the config says.
+    With a shard of size N > 1, the rank's part of every layer (model/sharding.py): `config` stays the
+    whole model's, `rank_config` has the rank's heads (its cache is allocated from it), lm_head holds the
+    rank's vocabulary rows."""
 
-    def __init__(self, cfg: ModelConfig, with_mtp: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = False, shard: Shard = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = TextModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.shard = shard
+        self.rank_config = rank_config(cfg, shard.size)
+        self.model = TextModel(cfg, shard)
+        vocab_rows = cfg.vocab_size if shard.size == 1 else rank_shape(cfg, shard.size).vocab
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = None
         if with_mtp:
             from deltaserve.model.mtp import MTPHead
 
-            self.mtp = MTPHead(cfg)
+            self.mtp = MTPHead(cfg, shard)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final-normed hidden states [T, H]; no logits (ask compute_logits for the rows you need)."""
         return self.model(input_ids, ctx)
 
     def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
-        """Logits (fp32) only at the requested rows of the final-normed hidden states."""
+        """Logits (fp32) only at the requested rows of the final-normed hidden states; with tensor
+        parallelism every rank's vocabulary rows, gathered, without the padding rows."""
         if rows is not None:
             hidden = hidden[rows]
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.shard.size == 1:
+            return logits
+        return self.shard.all_gather_last(logits)[:, : self.config.vocab_size]
 
     def mtp_hidden(
         self, next_token_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, step: int = 0

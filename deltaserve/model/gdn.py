@@ -13,6 +13,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.layers import GatedRMSNorm
+from deltaserve.model.parallel import SINGLE, Shard
 from deltaserve.ops.conv import causal_conv1d, causal_conv1d_step
 from deltaserve.ops.delta_rule import delta_rule_chunked, delta_rule_recurrent, delta_rule_step
 
@@ -22,9 +23,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, shard: Shard = SINGLE) -> None:
+        """cfg: this rank's key/value heads (rank_config); out_proj's partial sums meet in shard."""
         super().__init__()
         self.layer_id = layer_id
+        self.shard = shard
         self.num_k_heads = cfg.linear_num_key_heads
         self.num_v_heads = cfg.linear_num_value_heads
         self.head_k_dim = cfg.linear_key_head_dim
@@ -61,7 +64,7 @@ class GatedDeltaNet(nn.Module):
         else:
             core = self._cached(qkv, g, beta, weight, ctx)
         out = self.norm(core.to(x.dtype), z).reshape(T, self.value_dim)
-        return self.out_proj(out)
+        return self.shard.all_reduce(self.out_proj(out))
 
     def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Post-conv q|k|v [..., conv_dim] -> q, k [..., Hv, dk] (normalised, q scaled), v [..., Hv, dv]."""

@@ -34,6 +34,8 @@ from deltaserve.model.checkpoint_names import (
     view,
 )
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
+from deltaserve.model.parallel import SINGLE, Shard
+from deltaserve.model.sharding import RankPart, rank_part, rank_slice
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +89,19 @@ def map_name(name: str) -> str | None:
     return name
 
 
-def iter_tensors(path: Path, names: dict[str, Path], keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(
+    path: Path, names: dict[str, Path], keys: list[str], parts: dict[str, RankPart] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """parts: for a tensor-parallel rank, the part of each split tensor to read (only that part is read)."""
+    parts = parts or {}
     handles: dict[Path, object] = {}
     for key in tqdm(keys, desc=f"loading {path.name}", unit="tensor", leave=False):
         file = names[key]
         if file not in handles:
             handles[file] = _open(file)
         try:
-            yield key, handles[file].get_tensor(key)
+            part = parts.get(key)
+            yield key, handles[file].get_tensor(key) if part is None else part.take(handles[file].get_slice(key))
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"tensor {key!r} in {file} cannot be read: {e}") from e
 
@@ -109,9 +116,12 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: list[in
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype | None = None, with_mtp: bool | None = None
+    path: str | Path, dtype: str | torch.dtype | None = None, with_mtp: bool | None = None,
+    shard: Shard = SINGLE,
 ) -> Qwen3_5ForCausalLM:
-    """Build the model from a checkpoint directory. with_mtp None: load the MTP head when present."""
+    """Build the model from a checkpoint directory. with_mtp None: load the MTP head when present.
+    shard: with size N > 1, build rank shard.rank's part and keep each tensor's rank slice (rank_slice);
+    a shape that does not split into N gets a ConfigError naming the heads and N."""
     path = Path(path)
     cfg = ModelConfig.from_file(path)
     torch_dtype = resolve_dtype(dtype, cfg)
@@ -123,7 +133,7 @@ def load_model(
     if cfg.vision is not None and any(n.startswith("model.visual.") for n in names):
         log.info("skipping the vision tower (model.visual.*): deltaserve serves text only for now")
 
-    model = Qwen3_5ForCausalLM(cfg, with_mtp=load_mtp)
+    model = Qwen3_5ForCausalLM(cfg, with_mtp=load_mtp, shard=shard)
     params = dict(model.named_parameters(remove_duplicate=False))
     quant = cfg.quantization_config or {}
     fp8 = quant.get("quant_method") == "fp8"
@@ -160,8 +170,15 @@ def load_model(
             + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
         )
 
+    # A rank reads only its part of each split tensor (a dense model: one whole parameter per tensor); fp8
+    # weights are read whole, since their scales come in blocks, and sliced once dequantized.
+    parts = {}
+    if shard.size > 1 and not fp8:
+        for n, (t,) in wanted.items():
+            if (part := rank_part(t.param, cfg, shard.rank, shard.size)) is not None:
+                parts[n] = part
     with torch.no_grad():
-        for name, tensor in iter_tensors(path, names, list(wanted)):
+        for name, tensor in iter_tensors(path, names, list(wanted), parts):
             if fp8 and tensor.dtype == torch.float8_e4m3fn:
                 scale_name = name + "_scale_inv"  # x.weight -> x.weight_scale_inv; 3-D experts: x_scale_inv
                 if scale_name not in names:
@@ -169,6 +186,8 @@ def load_model(
                 scale = _open(names[scale_name]).get_tensor(scale_name)
                 tensor = dequantize_fp8(tensor, scale, block)
             found = wanted[name]
+            if fp8 and shard.size > 1:
+                tensor = rank_slice(found[0].param, tensor, cfg, shard.rank, shard.size)
             for t, piece in zip(found, split(name, tensor, cfg, found), strict=True):
                 dest = view(params[t.param], t)
                 if tuple(piece.shape) != tuple(dest.shape):

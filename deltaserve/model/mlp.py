@@ -6,13 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.model.parallel import SINGLE, Shard
+
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, shard: Shard = SINGLE) -> None:
+        """intermediate_size: this rank's share; down_proj's partial sums meet in shard."""
         super().__init__()
+        self.shard = shard
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.shard.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))

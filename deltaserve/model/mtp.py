@@ -13,24 +13,29 @@ from torch import nn
 
 from deltaserve.config import FULL_ATTENTION, ModelConfig
 from deltaserve.model.context import ForwardContext
-from deltaserve.model.decoder import DecoderLayer
+from deltaserve.model.decoder import DecoderLayer, vocab_embedding
 from deltaserve.model.layers import RMSNorm, RotaryEmbedding
+from deltaserve.model.parallel import SINGLE, Shard
+from deltaserve.model.sharding import rank_config
 
 
 class MTPHead(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard = SINGLE) -> None:
+        """cfg: the whole model's. With tensor parallelism fc and the norms are replicated (fc is small:
+        2H x H), its decoder layer is split as the trunk's are, a dedicated embedding is vocab-parallel."""
         super().__init__()
         H = cfg.hidden_size
         n = max(cfg.mtp_num_hidden_layers, 1)
+        layer_cfg = rank_config(cfg, shard.size)
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(H, eps=cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(H, eps=cfg.rms_norm_eps)
         # Its attention layers cache K/V under layer ids after the trunk's.
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, cfg.num_hidden_layers + i, FULL_ATTENTION) for i in range(n)
+            DecoderLayer(layer_cfg, cfg.num_hidden_layers + i, FULL_ATTENTION, shard) for i in range(n)
         )
         self.norm = RMSNorm(H, eps=cfg.rms_norm_eps)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, H) if cfg.mtp_use_dedicated_embeddings else None
+        self.embed_tokens = vocab_embedding(cfg, shard) if cfg.mtp_use_dedicated_embeddings else None
 
     @property
     def layer_ids(self) -> list[int]:

@@ -9,8 +9,12 @@ expert's gate are replicated."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from dataclasses import dataclass
+
+import torch
 
 from deltaserve.config import ConfigError, ModelConfig
 
@@ -62,6 +66,95 @@ def rank_shape(cfg: ModelConfig, tp: int = 1) -> RankShape:
     )
 
 
+def rank_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config of one rank's layers: its share of each kind of head and of the MLP width. The cache
+    sized and allocated from it (cache/sizing.py, cache/tensors.py) is exactly what the rank holds."""
+    if tp == 1:
+        return cfg
+    r = rank_shape(cfg, tp)
+    return dataclasses.replace(
+        cfg, num_attention_heads=r.attention_heads, num_key_value_heads=r.kv_heads,
+        linear_num_key_heads=r.gdn_key_heads, linear_num_value_heads=r.gdn_value_heads,
+        intermediate_size=r.intermediate,
+    )
+
+
+# Which part of a checkpoint tensor a rank keeps, by the parameter's name within its layer.
+_HEAD_ROWS = re.compile(r"\.self_attn\.q_proj\.weight$")
+_KV_ROWS = re.compile(r"\.self_attn\.[kv]_proj\.weight$")
+_ATTN_COLS = re.compile(r"\.self_attn\.o_proj\.weight$")
+_QKV_ROWS = re.compile(r"\.linear_attn\.(in_proj_qkv|conv1d)\.weight$")
+_VALUE_ROWS = re.compile(r"\.linear_attn\.(in_proj_z|in_proj_b|in_proj_a)\.weight$|\.linear_attn\.(A_log|dt_bias)$")
+_VALUE_COLS = re.compile(r"\.linear_attn\.out_proj\.weight$")
+_MLP_ROWS = re.compile(r"\.mlp\.(gate_proj|up_proj)\.weight$")
+_MLP_COLS = re.compile(r"\.mlp\.down_proj\.weight$")
+_VOCAB_ROWS = re.compile(r"(^|\.)embed_tokens\.weight$|^lm_head\.weight$")
+
+
+@dataclass(slots=True)
+class RankPart:
+    """Where a rank's part of a tensor lies: index ranges along one axis, laid end to end, then zero rows
+    up to pad_rows (the padded vocabulary's last rows)."""
+
+    dim: int  # 0: rows, 1: columns
+    ranges: list[tuple[int, int]]
+    pad_rows: int = 0
+
+    def take(self, t) -> torch.Tensor:
+        """The part, from a tensor or a safetensors slice (which then reads only these ranges)."""
+        parts = [t[a:b] if self.dim == 0 else t[:, a:b] for a, b in self.ranges if b > a]
+        missing = self.pad_rows - sum(p.shape[0] for p in parts)
+        if missing > 0:  # padded vocabulary rows past the real ones: never a token's
+            cols = list(t.get_shape() if hasattr(t, "get_shape") else t.shape)[1:]
+            parts.append(torch.zeros(missing, *cols, dtype=parts[0].dtype if parts else torch.float32))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+
+
+def rank_part(name: str, cfg: ModelConfig, rank: int, tp: int) -> RankPart | None:
+    """The part of checkpoint tensor `name` (our parameter name) that rank `rank` of `tp` holds, None for
+    all of it: whole query heads (each a [query hd | gate hd] row block) and their o_proj columns; KV heads
+    split, or the one KV head its query heads read when tp > num_key_value_heads (replicated, as vLLM); GDN
+    key heads with the value heads of their groups (in_proj_qkv rows and conv1d channels are [q: Hk*dk |
+    k: Hk*dk | v: Hv*dv], each part sliced), their z/b/a rows, A_log, dt_bias and out_proj columns; MLP
+    gate/up rows and down_proj columns; embedding / lm_head rows of the padded vocabulary (zeros past its
+    end). Norms and mtp.fc are replicated."""
+    if tp == 1:
+        return None
+    r = rank_shape(cfg, tp)
+
+    def block(n: int, index: int, width: int = 1, offset: int = 0) -> tuple[int, int]:
+        """Block `index` of n heads, each `width` rows (or columns) wide, from `offset`."""
+        return offset + index * n * width, offset + (index + 1) * n * width
+
+    if _HEAD_ROWS.search(name):
+        return RankPart(0, [block(r.attention_heads, rank, 2 * cfg.head_dim)])
+    if _KV_ROWS.search(name):
+        kv_rank = rank if tp <= cfg.num_key_value_heads else rank // (tp // cfg.num_key_value_heads)
+        return RankPart(0, [block(r.kv_heads, kv_rank, cfg.head_dim)])
+    if _ATTN_COLS.search(name):
+        return RankPart(1, [block(r.attention_heads, rank, cfg.head_dim)])
+    if _QKV_ROWS.search(name):
+        kd, dk, dv = cfg.linear_key_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        return RankPart(0, [block(r.gdn_key_heads, rank, dk), block(r.gdn_key_heads, rank, dk, kd),
+                            block(r.gdn_value_heads, rank, dv, 2 * kd)])
+    if _VALUE_ROWS.search(name):
+        return RankPart(0, [block(r.gdn_value_heads, rank, cfg.linear_value_head_dim if "in_proj_z" in name else 1)])
+    if _VALUE_COLS.search(name):
+        return RankPart(1, [block(r.gdn_value_heads, rank, cfg.linear_value_head_dim)])
+    if _MLP_ROWS.search(name):
+        return RankPart(0, [block(r.intermediate, rank)])
+    if _MLP_COLS.search(name):
+        return RankPart(1, [block(r.intermediate, rank)])
+    if _VOCAB_ROWS.search(name):
+        start, end = block(r.vocab, rank)
+        return RankPart(0, [(min(start, cfg.vocab_size), min(end, cfg.vocab_size))], pad_rows=r.vocab)
+    return None
+
+
+def rank_slice(name: str, tensor: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
+    """rank_part of an in-memory tensor (one dequantized from fp8, say)."""
+    part = rank_part(name, cfg, rank, tp)
+    return tensor if part is None else part.take(tensor)
 
 
 def _round_up(x: int, m: int) -> int:

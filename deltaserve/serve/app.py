@@ -130,6 +130,10 @@ def build_app(
     async def health() -> Response:
         if not async_engine.is_running:
             return error_response(503, "the engine is not running")
+        try:
+            async_engine.engine.check_health()  # a tensor-parallel rank that died
+        except RuntimeError as e:
+            return error_response(503, f"the engine cannot run steps: {e}")
         return Response(status_code=200)
 
     @app.get("/metrics")

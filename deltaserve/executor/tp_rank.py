@@ -1,0 +1,98 @@
+"""One tensor-parallel rank: what the driver tells every rank at startup (RankSpec), building the rank's
+shard and cache from it, and how a worker answers the driver's calls (RankWorker)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from deltaserve.cache.tensors import allocate_cache
+from deltaserve.executor.torch_executor import TorchExecutor
+from deltaserve.executor.tp_protocol import Command, Message, cache_bytes, receive, unpack_step
+from deltaserve.model.context import CacheTensors, ForwardContext
+from deltaserve.model.decoder import Qwen3_5ForCausalLM
+from deltaserve.model.loader import load_model
+from deltaserve.model.parallel import Shard
+
+log = logging.getLogger(__name__)
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(slots=True)
+class RankSpec:
+    """What every rank builds: the checkpoint, its dtype, the cache pools (sized by the driver from the
+    per-rank config), and the intra-op threads per rank."""
+
+    model: str
+    dtype: str
+    with_mtp: bool
+    num_blocks: int
+    block_size: int
+    num_slots: int
+    kv_dtype: str
+    threads: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_rank(spec: RankSpec, shard: Shard) -> tuple[Qwen3_5ForCausalLM, CacheTensors]:
+    """This rank's shard of the checkpoint and its cache (its KV heads, its GDN value heads)."""
+    model = load_model(spec.model, spec.dtype, with_mtp=spec.with_mtp, shard=shard)
+    kv_dtype = getattr(torch, spec.kv_dtype)
+    cache = allocate_cache(
+        model.rank_config, spec.num_blocks, spec.block_size, spec.num_slots, kv_dtype, with_mtp=spec.with_mtp
+    )
+    return model, cache
+
+
+class RankWorker:
+    """A worker rank's loop: run each call the driver broadcasts on this rank's shard, until STOP."""
+
+    def __init__(self, model: Qwen3_5ForCausalLM, cache: CacheTensors) -> None:
+        self.model = model
+        self.cache = cache
+        self.executor = TorchExecutor(model, cache)
+        self.last_step: ForwardContext | None = None  # the verify states commit_verified picks from
+
+    @torch.inference_mode()
+    def serve(self) -> None:
+        cfg, dtype = self.model.config, self.model.lm_head.weight.dtype
+        self.model.shard.in_step = True  # a worker runs nothing but the driver's calls
+        while True:
+            msg = receive(cfg.hidden_size, dtype)
+            if msg.command == Command.STOP:
+                return
+            self.handle(msg)
+
+    def handle(self, msg: Message) -> None:
+        if msg.command == Command.FORWARD:
+            input_ids, ctx, rows = unpack_step(msg.ints, self.cache)
+            self.executor.forward(input_ids, ctx, rows)
+            self.last_step = ctx
+        elif msg.command == Command.LOGITS:
+            self.executor.compute_logits(msg.hidden)
+        elif msg.command == Command.MTP:
+            next_ids, ctx, _ = unpack_step(msg.ints, self.cache)
+            self.executor.mtp_hidden(next_ids, msg.hidden, ctx, msg.arg)
+        elif msg.command == Command.COMMIT:
+            if self.last_step is None or not self.last_step.spec_seqs:
+                raise RuntimeError("commit_verified without a verify step before it")
+            self.executor.commit_verified(self.last_step, msg.ints.tolist())
+            self.last_step.spec_states.clear()
+        elif msg.command == Command.CACHE_BYTES:
+            gather_ints(cache_bytes(self.cache))
+        elif msg.command != Command.HEARTBEAT:
+            raise RuntimeError(f"unknown tensor-parallel command {msg.command!r}")
+
+
+def gather_ints(value: int) -> list[int]:
+    """Every rank's value, in rank order."""
+    world = dist.get_world_size()
+    parts = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(parts, torch.tensor([value], dtype=torch.long))
+    return [int(p) for p in parts]

@@ -1,0 +1,197 @@
+"""Tensor parallelism on this machine (gloo, a worker process per rank beyond the first): TP = 2 against
+TP = 1 on random checkpoints, greedy tokens identical and logits within 1e-5, through attention and GDN
+head splits (TINY: KV heads split), replicated KV heads with tied embeddings (27B ratios: one KV head),
+MTP speculation, prompts chunked across steps; each rank's cache held to `deltaserve plan --tp 2`; an
+indivisible shape's error; a killed worker's prompt error."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve.config import ConfigError, ModelConfig
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.engine.planner import plan_memory
+from deltaserve.executor import TensorParallelError
+from deltaserve.model.context import ForwardContext
+from deltaserve.model.loader import load_model
+from deltaserve.model.parallel import Shard, ShardOutsideStepError
+from deltaserve.model.sharding import rank_slice
+from deltaserve.sampling import SamplingParams
+from tests.checkpoints import RATIOS_27B, TINY, random_hf_model, random_mtp_tensors, save_official_layout
+
+MAX_LEN, SEQS, BLOCK = 96, 4, 16
+PROMPTS = [list(range(3, 26)), [5, 9, 2, 7, 7, 1, 4, 8, 3, 6, 11], [17, 3, 40]]  # 23 tokens: chunked by 16
+
+
+def make_engine(path: Path, tp: int, k: int = 0) -> LLMEngine:
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    return LLMEngine(EngineConfig(
+        model=str(path), tensor_parallel_size=tp, enforce_eager=True, max_num_seqs=SEQS, max_model_len=MAX_LEN,
+        num_kv_blocks=SEQS * (MAX_LEN // BLOCK), block_size=BLOCK, max_num_batched_tokens=16,
+        speculative_config=spec,
+    ))
+
+
+@contextlib.contextmanager
+def engines(path: Path, k: int = 0) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    one, two = make_engine(path, 1, k), make_engine(path, 2, k)
+    try:
+        yield one, two
+    finally:
+        two.close()
+
+
+def greedy(engine: LLMEngine, max_tokens: int = 14) -> dict[str, list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, params)
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = list(o.outputs[0].token_ids)
+    return out
+
+
+@torch.inference_mode()
+def logits_of_steps(engine: LLMEngine, mtp: bool) -> list[torch.Tensor]:
+    """Logits of every row of a two-sequence prefill, then of a decode step after it (and of the MTP
+    head over the prefill), run through the engine's executor on blocks and slots no request holds."""
+    ex, cache = engine.executor, engine.cache_tensors
+    ids = torch.tensor(PROMPTS[1] + PROMPTS[2])
+    ctx = ForwardContext.paged(cache, [11, 3], [0, 0], [[0], [1]], [0, 1])
+    hidden = ex.forward(ids, ctx)
+    out = [ex.compute_logits(hidden)]
+    if mtp:
+        mctx = ForwardContext.paged(cache, [11, 3], [0, 0], [[2], [3]], [0, 1])
+        out.append(ex.compute_logits(ex.mtp_hidden(torch.roll(ids, -1), hidden, mctx)))
+    step = ForwardContext.paged(cache, [1, 1], [11, 3], [[0], [1]], [0, 1])
+    hidden = ex.forward(torch.tensor([30, 31]), step)
+    out.append(ex.compute_logits(hidden, [1, 0]))
+    assert torch.equal(ex.greedy_tokens(hidden), out[-1].argmax(-1).flip(0))
+    return out
+
+
+def assert_logits_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.shape == y.shape
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_and_gdn_head_splits_with_mtp_and_chunked_prompts(tmp_path: Path) -> None:
+    """TINY over 2 ranks: 2 of 4 query heads, 1 of 2 KV heads, 1 of 2 GDN key heads with 2 of 4 value
+    heads, half the MLP, 64 of 128 padded vocabulary rows (96 real); MTP drafts 2 tokens per step."""
+    path = save_official_layout(random_hf_model(TINY, seed=5), tmp_path, random_mtp_tensors(TINY, seed=6))
+    with engines(path, k=2) as (one, two):
+        assert two.executor.name == "torch-tp"
+        assert_logits_close(logits_of_steps(one, mtp=True), logits_of_steps(two, mtp=True))
+        assert greedy(two) == greedy(one)
+        assert two.spec_metrics.num_drafts == one.spec_metrics.num_drafts > 0  # verify steps ran
+        assert two.spec_metrics.accepted_per_position == one.spec_metrics.accepted_per_position
+        with pytest.raises(ShardOutsideStepError, match="rank 0 of 2"):  # not a hang without the workers
+            two.model(torch.tensor([1, 2]), ForwardContext.stateless([2]))
+
+
+def test_replicated_kv_heads_tied_embeddings_and_the_plan(tmp_path: Path) -> None:
+    """27B ratios over 2 ranks: 3 of 6 query heads, the one KV head on both (vLLM's replication), 1 of 2
+    GDN key heads with 3 of 6 value heads, tied vocab-parallel embedding. Each rank's cache tensors are
+    what `deltaserve plan --tp 2` reports per rank, and so are rank 0's weights."""
+    path = save_official_layout(random_hf_model(RATIOS_27B, seed=7, tie=True), tmp_path)
+    with engines(path) as (one, two):
+        assert_logits_close(logits_of_steps(one, mtp=False), logits_of_steps(two, mtp=False))
+        assert greedy(two) == greedy(one)
+        cfg = ModelConfig.from_file(path)
+        plan = plan_memory(cfg, MAX_LEN, SEQS, tp=2, block_size=BLOCK, dtype="float32")
+        assert plan.rank.kv_heads == 1 and two.executor.cache_bytes_per_rank() == [plan.cache_bytes] * 2
+        assert plan.cache_bytes < plan_memory(cfg, MAX_LEN, SEQS, tp=1, block_size=BLOCK, dtype="float32").cache_bytes
+        weights = {p.data_ptr(): p.numel() * p.element_size() for p in two.model.parameters()}  # tied once
+        assert sum(weights.values()) == plan.weight_bytes
+
+
+def test_each_rank_reads_its_part_of_every_tensor(tmp_path: Path) -> None:
+    """Without a process group: the two ranks' parameters (read as safetensors slices) are the whole
+    model's split by heads, laid out as the layers expect; replicated ones are whole."""
+    path = save_official_layout(random_hf_model(TINY, seed=4), tmp_path, random_mtp_tensors(TINY, seed=4))
+    whole = dict(load_model(path).named_parameters())
+    ranks = [dict(load_model(path, shard=Shard(r, 2)).named_parameters()) for r in range(2)]
+    cfg = ModelConfig.from_file(path)
+    for name, p in whole.items():
+        for r in range(2):
+            assert torch.equal(ranks[r][name], rank_slice(name, p, cfg, r, 2)), name
+    layer = "model.layers.0.linear_attn."
+    kd, vd = cfg.linear_key_dim, cfg.linear_value_dim
+    qkv = [ranks[r][layer + "in_proj_qkv.weight"] for r in range(2)]  # each [q | k | v] of its heads
+    half = [kd // 2, kd // 2, vd // 2]
+    joined = [torch.cat([q.split(half)[i] for q in qkv]) for i in range(3)]
+    assert torch.equal(torch.cat(joined), whole[layer + "in_proj_qkv.weight"])
+    o = "model.layers.3.self_attn.o_proj.weight"
+    assert torch.equal(torch.cat([ranks[0][o], ranks[1][o]], dim=1), whole[o])
+    emb = "model.embed_tokens.weight"  # 96 rows padded to 128: rank 1 holds 32 real and 32 zero rows
+    assert torch.equal(torch.cat([ranks[0][emb], ranks[1][emb]])[:96], whole[emb])
+    assert not ranks[1][emb][32:].any()
+    assert torch.equal(ranks[1]["mtp.fc.weight"], whole["mtp.fc.weight"])
+
+
+def test_killed_worker_fails_the_next_step_naming_its_rank(tmp_path: Path) -> None:
+    path = save_official_layout(random_hf_model(TINY, seed=8), tmp_path)
+    engine = make_engine(path, 2)
+    try:
+        engine.executor.workers[0].kill()
+        engine.executor.workers[0].wait()
+        with pytest.raises(TensorParallelError, match="worker rank 1 .* exited"):
+            engine.check_health()
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4))
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match="worker rank 1"):
+            engine.step()
+        assert time.monotonic() - started < 5  # the liveness check, not a collective's timeout
+    finally:
+        engine.close()
+
+
+def test_worker_killed_while_generating_stops_the_engine_promptly(tmp_path: Path) -> None:
+    """Killed at some point of a long generation: inside a collective or between calls, the step raises
+    (the collective fails on the closed connection, not after its timeout) and names the rank."""
+    path = save_official_layout(random_hf_model(dict(TINY, max_position_embeddings=2048), seed=9), tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(path), tensor_parallel_size=2, max_num_seqs=2, max_model_len=2048,
+                                    num_kv_blocks=2 * 128))
+    killed: list[float] = []
+
+    def kill() -> None:
+        time.sleep(0.5)
+        engine.executor.workers[0].kill()
+        killed.append(time.monotonic())
+
+    try:
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2000, ignore_eos=True))
+        engine.step()
+        killer = threading.Thread(target=kill)
+        killer.start()
+        with pytest.raises(TensorParallelError, match="worker rank 1"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        killer.join()
+        assert time.monotonic() - killed[0] < 10  # far inside the 120 s collective timeout
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(("shape", "tp", "message"), [
+    (TINY, 3, r"tensor parallel size 3 must be a multiple of num_key_value_heads \(2\)"),
+    (dict(TINY, num_attention_heads=6), 4, r"num_attention_heads \(6\) is not divisible by tensor parallel size 4"),
+    (dict(TINY, num_attention_heads=8, num_key_value_heads=4, linear_num_key_heads=1, linear_num_value_heads=2),
+     2, r"linear_num_key_heads \(1\) is not divisible by tensor parallel size 2"),
+])
+def test_indivisible_shapes_fail_before_any_worker_starts(tmp_path: Path, shape: dict, tp: int,
+                                                            message: str) -> None:
+    path = save_official_layout(random_hf_model(shape, seed=1), tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        make_engine(path, tp)
