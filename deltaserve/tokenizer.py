@@ -147,6 +147,8 @@ class Tokenizer:
             reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
             if reasoning is not None:
                 m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+            if m.get("tool_calls"):
+                m = {**m, "tool_calls": [_arguments_as_mapping(c) for c in m["tool_calls"]]}
             chat.append(m)
         kwargs = {**self.special_tokens, **template_kwargs}
         documents = kwargs.pop("documents", None)
@@ -171,6 +173,27 @@ class _GenerationTag(jinja2.ext.Extension):
 
     def _render(self, caller: Any) -> str:
         return caller()
+
+
+def _arguments_as_mapping(call: Any) -> Any:
+    """OpenAI sends a tool call's arguments as a JSON string; templates that render each parameter (Qwen3.5's
+    `<parameter=NAME>`) iterate them as a mapping, so decode the string as vLLM does (a string that is not
+    a JSON object stays as it is)."""
+    if not isinstance(call, dict):
+        return call
+    fn = call.get("function") if isinstance(call.get("function"), dict) else None
+    args = (fn or call).get("arguments")
+    if not isinstance(args, str):
+        return call
+    try:
+        decoded = json.loads(args)
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(decoded, dict):
+        return call
+    if fn is not None:
+        return {**call, "function": {**fn, "arguments": decoded}}
+    return {**call, "arguments": decoded}
 
 
 def _raise_exception(message: str) -> None:
