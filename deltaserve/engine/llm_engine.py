@@ -24,6 +24,7 @@ from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_params_for_vocab
 from deltaserve.engine.scheduler import DECODE, VERIFY, Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder
+from deltaserve.engine.structured import GrammarCompiler
 from deltaserve.executor import make_executor
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 from deltaserve.model.loader import load_model
@@ -143,6 +144,7 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = sorted(eos)
         sampler = Sampler(self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.executor = make_executor(
             self.model, self.cache_tensors, enforce_eager=config.enforce_eager, with_mtp=k > 0
         )
@@ -187,6 +189,8 @@ class LLMEngine:
         text, ids = self._tokenize(prompt)
         self._validate_prompt(ids)
         validate_params_for_vocab(params, self.model_config.vocab_size)
+        # structured outputs: compiled once per request (GrammarError, a ValueError, names a bad schema)
+        grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         group = RequestGroup(request_id, text, ids, params)
         for i, child_id in enumerate(child_ids):
             detok = None
@@ -196,7 +200,7 @@ class LLMEngine:
                 request_id=child_id,
                 prompt_token_ids=ids,
                 params=params,
-                sampling=make_sampling_state(params, ids, seed_offset=i),
+                sampling=make_sampling_state(params, ids, seed_offset=i, grammar=grammar),
                 detokenizer=detok,
                 group=group,
                 index=i,

@@ -1,7 +1,8 @@
 """Turns the logits of the positions that need a token into tokens, one row per sequence, following vLLM's
 order of processing:
 
-    logit_bias -> min_tokens (mask EOS / stop ids) -> penalties -> [greedy: argmax]
+    logit_bias -> min_tokens (mask EOS / stop ids) -> penalties -> grammar mask (structured outputs)
+    -> [greedy: argmax]
     -> temperature -> top_k -> top_p -> min_p -> sample
 
 Logprobs are those of the raw model distribution (log_softmax of the logits as they came in), as vLLM
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deltaserve.engine.structured import CompiledGrammar, GrammarMatcher, apply_grammar_masks
 from deltaserve.sampling import SamplingParams
 
 # Exponential draws of exactly 0 would turn p/q into inf (or nan for p = 0); this floor keeps the race fair.
@@ -31,10 +33,12 @@ class SequenceSamplingState:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
+    grammar: GrammarMatcher | None = None  # structured outputs: this sequence's matcher
 
 
 def make_sampling_state(
-    params: SamplingParams, prompt_token_ids: Sequence[int], seed_offset: int = 0
+    params: SamplingParams, prompt_token_ids: Sequence[int], seed_offset: int = 0,
+    grammar: CompiledGrammar | None = None,
 ) -> SequenceSamplingState:
     """A seeded request gets its own CPU generator seeded with seed + seed_offset (the engine passes the
     child index for n > 1, so siblings differ but every run repeats); unseeded requests share the global
@@ -44,7 +48,10 @@ def make_sampling_state(
         generator = torch.Generator(device="cpu")
         # torch seeds must be non-negative 64-bit; wrap any Python int into that range.
         generator.manual_seed((params.seed + seed_offset) % (1 << 63))
-    return SequenceSamplingState(params=params, generator=generator, prompt_token_ids=list(prompt_token_ids))
+    return SequenceSamplingState(
+        params=params, generator=generator, prompt_token_ids=list(prompt_token_ids),
+        grammar=grammar.matcher() if grammar is not None else None,
+    )
 
 
 @dataclass(slots=True)
@@ -124,11 +131,15 @@ class Sampler:
     def _modifies(self, s: SequenceSamplingState) -> bool:
         """Whether process_logits would change this sequence's row."""
         p = s.params
-        return bool(p.logit_bias) or len(s.output_token_ids) < p.min_tokens or _has_penalties(p)
+        return (
+            bool(p.logit_bias) or len(s.output_token_ids) < p.min_tokens or _has_penalties(p)
+            or s.grammar is not None
+        )
 
     # ---- stages (public so speculative decoding can build the same target distribution) ----------------
     def process_logits(self, logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> torch.Tensor:
-        """logit_bias, min_tokens masking and penalties; returns a new tensor, the input is untouched."""
+        """logit_bias, min_tokens masking, penalties and grammar masks; returns a new tensor, the input is
+        untouched."""
         logits = logits.float().clone()
         vocab = logits.shape[1]
         for i, s in enumerate(states):
@@ -144,6 +155,12 @@ class Sampler:
                 if banned:
                     logits[i, banned] = float("-inf")
         _apply_penalties(logits, states)
+        rows = [i for i, s in enumerate(states) if s.grammar is not None]
+        if rows:
+            apply_grammar_masks(
+                logits, rows, [states[i].grammar for i in rows], [states[i].output_token_ids for i in rows],
+                self.eos_token_ids,
+            )
         return logits
 
     def filtered_probs(self, logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> torch.Tensor:

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deltaserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling import SamplingParams
+from deltaserve.serve.chat_tools import ToolConfig
 from deltaserve.serve.errors import APIError, error_response, from_api_error, param_of, status_phrase
 from deltaserve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from deltaserve.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -40,6 +41,7 @@ def build_app(
     api_key: str | None = None,
     extra_routers: Sequence[APIRouter] = (),
     model_root: str | None = None,
+    tool_config: ToolConfig | None = None,
 ) -> FastAPI:
     app = FastAPI(title="deltaserve", description="OpenAI-compatible API for Qwen3.5 / Qwen3.8 models")
     metrics = ServerMetrics(served_model_name)
@@ -47,6 +49,7 @@ def build_app(
     app.state.engine = async_engine
     app.state.metrics = metrics
     app.state.served_model_name = served_model_name
+    tool_config = tool_config or ToolConfig()
 
     async def check_api_key(request: Request) -> None:
         if api_key is None:
@@ -82,7 +85,7 @@ def build_app(
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         check_model(body.model)
-        prep = prepare_chat(async_engine, body)
+        prep = prepare_chat(async_engine, body, tool_config)
         stream = await _add(
             async_engine,
             prep.request_id,
