@@ -17,8 +17,8 @@ import torch
 
 from deltaserve import LLM, SamplingParams, StructuredOutputsParams
 
-# Long enough for any --tokens: 200 short strings at least.
-SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 200}
+# Long enough for any --tokens: 200 strings at least.
+SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 200}
 
 
 def run(llm: LLM, batch: int, tokens: int, structured: bool) -> tuple[float, int]:
@@ -36,17 +36,22 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3, help="alternate the two runs; the fastest of each counts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(max_num_seqs=max(args.batches))
     run(llm, 2, 8, True)  # warm-up: the fused step, llguidance's token trie
     print(f"{'batch':>5} {'plain ms/token-step':>20} {'json ms/token-step':>19} {'overhead':>9}")
     for b in args.batches:
-        plain_s, plain_n = run(llm, b, args.tokens, False)
-        json_s, json_n = run(llm, b, args.tokens, True)
-        # per step: every request advances one token per step
-        plain = plain_s / (plain_n / b) * 1e3
-        constrained = json_s / (json_n / b) * 1e3
+        plain = constrained = float("inf")
+        for _ in range(args.rounds):  # the machine is shared: alternate, and keep the fastest of each
+            for structured in (False, True):
+                seconds, n = run(llm, b, args.tokens, structured)
+                per_step = seconds / (n / b) * 1e3  # every request advances one token per step
+                if structured:
+                    constrained = min(constrained, per_step)
+                else:
+                    plain = min(plain, per_step)
         print(f"{b:>5} {plain:>20.2f} {constrained:>19.2f} {100 * (constrained / plain - 1):>8.1f}%")
 
 

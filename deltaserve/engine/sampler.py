@@ -12,7 +12,7 @@ which other sequences share the batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -130,11 +130,39 @@ class Sampler:
 
     def _modifies(self, s: SequenceSamplingState) -> bool:
         """Whether process_logits would change this sequence's row."""
+        return s.grammar is not None or self._modifies_besides_grammar(s)
+
+    @staticmethod
+    def _modifies_besides_grammar(s: SequenceSamplingState) -> bool:
         p = s.params
-        return (
-            bool(p.logit_bias) or len(s.output_token_ids) < p.min_tokens or _has_penalties(p)
-            or s.grammar is not None
+        return bool(p.logit_bias) or len(s.output_token_ids) < p.min_tokens or _has_penalties(p)
+
+    # ---- greedy rows under a grammar, without their logits ---------------------------------------------
+    def grammar_greedy(self, states: Sequence[SequenceSamplingState]) -> bool:
+        """Whether every row is plain greedy but for a grammar: then a row's token is its raw argmax
+        whenever its grammar allows that token (masking cannot change an argmax it keeps)."""
+        return any(s.grammar is not None for s in states) and all(
+            s.params.greedy and s.params.logprobs is None and not self._modifies_besides_grammar(s)
+            for s in states
         )
+
+    def fix_grammar_argmax(
+        self, tokens: list[int], states: Sequence[SequenceSamplingState],
+        logits_of: Callable[[list[int]], torch.Tensor],
+    ) -> list[int]:
+        """tokens: each row's raw argmax (grammar_greedy states). Rows whose grammar refuses their token get
+        the masked argmax, from logits_of(rows) -> [len(rows), V]; the others keep theirs."""
+        refused = []
+        for i, (t, s) in enumerate(zip(tokens, states, strict=True)):
+            g = s.grammar
+            # An unreachable row (sync fails: a rejected draft before it) keeps its token; nothing reads it.
+            if g is not None and g.sync(s.output_token_ids) and not g.allows(t, self.eos_token_ids):
+                refused.append(i)
+        if refused:
+            fixed = self(logits_of(refused), [states[i] for i in refused]).token_ids
+            for i, t in zip(refused, fixed, strict=True):
+                tokens[i] = t
+        return tokens
 
     # ---- stages (public so speculative decoding can build the same target distribution) ----------------
     def process_logits(self, logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> torch.Tensor:
@@ -159,7 +187,7 @@ class Sampler:
         if rows:
             apply_grammar_masks(
                 logits, rows, [states[i].grammar for i in rows], [states[i].output_token_ids for i in rows],
-                self.eos_token_ids,
+                self.eos_token_ids, [states[i].params.greedy for i in rows],
             )
         return logits
 

@@ -18,19 +18,23 @@ rejects leaves the rows after it unmasked; they are never used, because the row 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from deltaserve.sampling import StructuredOutputsParams
 
 # JSON without free whitespace: with flexible whitespace a model can pad forever, and OpenAI's own
 # structured outputs look like json.dumps (", " and ": ").
+_CACHED_GRAMMARS = 64
+_NEG_INF_BITS = np.uint32(0xFF800000)  # float32 -inf
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_BITS = 1 << torch.arange(32, dtype=torch.int32)
 
 
 class GrammarError(ValueError):
@@ -108,14 +112,17 @@ def _what(spec: StructuredOutputsParams) -> str:
 
 @dataclass(slots=True)
 class CompiledGrammar:
-    """One request's grammar, checked against the tokenizer; matcher() gives each sequence its own."""
+    """A grammar checked against the tokenizer; matcher() gives each sequence its own, a copy of a fresh
+    prototype (copying measured cheaper than building a matcher from the grammar, ~0.5 ms)."""
 
     grammar: str
     lltokenizer: Any
+    _prototype: Any = None
 
     def matcher(self) -> GrammarMatcher:
-        eos = self.lltokenizer.eos_token
-        return GrammarMatcher(_llguidance().LLMatcher(self.lltokenizer, self.grammar, log_level=0), eos)
+        if self._prototype is None:
+            self._prototype = _llguidance().LLMatcher(self.lltokenizer, self.grammar, log_level=0)
+        return GrammarMatcher(self._prototype.deep_copy(), self.lltokenizer.eos_token)
 
 
 class GrammarCompiler:
@@ -126,6 +133,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._lltokenizer: Any = None
+        # Requests often repeat a schema (one client, one tool set): compiled grammars are kept, a few.
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
 
     @property
     def lltokenizer(self) -> Any:
@@ -140,6 +149,18 @@ class GrammarCompiler:
         return self._lltokenizer
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        key = json.dumps(dataclasses.asdict(spec), sort_keys=True)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        compiled = self._compile(spec)
+        self._cache[key] = compiled
+        if len(self._cache) > _CACHED_GRAMMARS:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         llg = _llguidance()
         body = _body_lark(spec)
         if spec.reasoning_end:
@@ -177,10 +198,14 @@ class GrammarMatcher:
     def sync(self, tokens: Sequence[int]) -> bool:
         """Bring the matcher to exactly `tokens` (the sequence's output so far); False when the grammar
         rejects one of them (then the mask is meaningless: the row cannot be reached)."""
-        common = 0
-        n = min(len(self.tokens), len(tokens))
-        while common < n and self.tokens[common] == tokens[common]:
-            common += 1
+        have = len(self.tokens)
+        if len(tokens) >= have and list(tokens[:have]) == self.tokens:
+            common = have  # the usual case, one comparison in C: the sequence only grew
+        else:
+            common = 0
+            n = min(have, len(tokens))
+            while common < n and self.tokens[common] == tokens[common]:
+                common += 1
         if common < len(self.tokens):
             self.matcher.rollback(len(self.tokens) - common)
             del self.tokens[common:]
@@ -191,31 +216,53 @@ class GrammarMatcher:
             return taken == len(new)
         return True
 
-    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        from llguidance.torch import fill_next_token_bitmask
-
-        fill_next_token_bitmask(self.matcher, bitmask, row)
+    def allows(self, token: int, eos_token_ids: Sequence[int]) -> bool:
+        """Whether the grammar can take `token` next (an id that ends the sequence: whether it may end)."""
+        if token in eos_token_ids or token == self.eos_token_id:
+            return bool(self.matcher.is_accepting())
+        return self.matcher.validate_tokens([token]) == 1
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher],
-                        outputs: list[Sequence[int]], eos_token_ids: Sequence[int]) -> None:
-    """Masks (to -inf) each listed row's tokens its grammar cannot take next, in place."""
+                        outputs: list[Sequence[int]], eos_token_ids: Sequence[int], greedy: list[bool]) -> None:
+    """Masks (to -inf) each listed row's tokens its grammar cannot take next, in place.
+
+    A greedy row whose argmax the grammar allows is left as it is: the masked row's argmax is that same
+    token, so the mask (tens of microseconds a row) is not needed. Other rows get the full mask."""
+    from llguidance.torch import fill_next_token_bitmask
+
     vocab = logits.shape[1]
-    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
-    masked: list[int] = []
+    greedy_rows = [row for row, g in zip(rows, greedy, strict=True) if g]
+    argmax = iter(logits[greedy_rows].argmax(dim=-1).tolist() if greedy_rows else [])
+    need: list[int] = []
     for r, (m, out) in enumerate(zip(matchers, outputs, strict=True)):
+        top = next(argmax) if greedy[r] else None
         if not m.sync(out):
             continue  # an unreachable row (a rejected draft before it): leave it as it is
-        m.fill_mask(bitmask, r)
-        masked.append(r)
-    if not masked:
+        if top is not None and m.allows(top, eos_token_ids):
+            continue
+        need.append(r)
+    if not need:
         return
-    allowed = (bitmask[masked].unsqueeze(-1) & _BITS).ne(0).view(len(masked), -1)[:, :vocab]
+    words = (vocab + 31) // 32
+    bitmask = torch.full((len(need), words), -1, dtype=torch.int32)
+    # Row by row: llguidance's LLExecutor (the batched call) measured slower here at one thread, its
+    # hand-off to the worker costing more than the masks (1.46 ms against 0.24 ms for 32 rows).
+    for k, r in enumerate(need):
+        fill_next_token_bitmask(matchers[r].matcher, bitmask, k)
+    # little-endian bits of each int32 word, token t at bit t % 32 of word t // 32
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     # Every id that ends the sequence is allowed exactly when the grammar may end (a checkpoint's EOS id
     # can also be an ordinary token of the tokenizer: it must not end the output early).
-    stop = allowed[:, matchers[masked[0]].eos_token_id].clone()
+    stop = allowed[:, matchers[need[0]].eos_token_id].copy()
     eos = [t for t in eos_token_ids if 0 <= t < vocab]
     if eos:
-        allowed[:, eos] = stop.unsqueeze(1).expand(-1, len(eos))
-    idx = [rows[r] for r in masked]
-    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        allowed[:, eos] = stop[:, None]
+    # -inf where refused, 0 where allowed, built from the bit pattern of -inf and added: branch-free, ten
+    # times faster than masked_fill with a mask this irregular (50 against 450 us for 6 x 8192).
+    bias = torch.from_numpy(((1 - allowed).astype(np.uint32) * _NEG_INF_BITS).view(np.float32))
+    idx = [rows[r] for r in need]
+    if idx == list(range(logits.shape[0])):
+        logits.add_(bias)
+    else:
+        logits[idx] += bias
