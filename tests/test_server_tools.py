@@ -1,5 +1,5 @@
-"""Tool calling and structured outputs end to end: a real `deltaserve serve` (random tiny model, the demo
-tokenizer and its Qwen3.5 chat template) driven by the official `openai` client. A random model writes
+"""Tool calling, structured outputs and /v1/responses end to end: a real `deltaserve serve` (random tiny
+model, the demo tokenizer and its Qwen3.5 chat template) driven by the official `openai` client. A random model writes
 noise, so these check what constrained decoding guarantees: every forced call parses and its arguments
 validate against the tool's schema, every json_schema answer validates, whatever the seed."""
 
@@ -271,3 +271,80 @@ def test_mixed_batch_gives_each_its_own_result(client: openai.OpenAI) -> None:
     with concurrent.futures.ThreadPoolExecutor(len(requests) * 2) as pool:
         together = list(pool.map(run, requests * 2))
     assert together == alone * 2
+
+
+# ---- /v1/responses -------------------------------------------------------------------------------------
+FLAT_ADD = {"type": "function", **ADD["function"]}  # the Responses API's tools are flat
+
+
+def _collect(events: list) -> tuple[dict, list[str]]:
+    """The final response of a stream, and the event types in order."""
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    return events[-1].response, kinds
+
+
+def test_responses_text_streamed_and_not(client: openai.OpenAI) -> None:
+    kw = dict(model="tiny", input="Say hi.", instructions="Be terse.", max_output_tokens=12, temperature=0,
+              reasoning={"effort": "none"})
+    r = client.responses.create(**kw)  # type: ignore[call-overload]
+    assert r.object == "response" and r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].type == "message" and r.output_text
+    assert r.usage.output_tokens == 12 and r.usage.input_tokens > 5
+    events = list(client.responses.create(stream=True, **kw))  # type: ignore[call-overload]
+    final, kinds = _collect(events)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text == r.output_text
+    assert "response.output_item.added" in kinds and "response.content_part.done" in kinds
+
+
+def test_responses_reasoning_item(client: openai.OpenAI) -> None:
+    # thinking on (the default): a random model does not close its think block in 10 tokens
+    r = client.responses.create(model="tiny", input="Think.", max_output_tokens=10, temperature=0)
+    assert [o.type for o in r.output] == ["reasoning"] and r.output[0].content[0].text
+    events = list(client.responses.create(model="tiny", input="Think.", max_output_tokens=10, temperature=0,
+                                          stream=True))
+    final, kinds = _collect(events)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == r.output[0].content[0].text
+    assert final.output[0].content[0].text == r.output[0].content[0].text
+
+
+def test_responses_tools_and_previous_response(client: openai.OpenAI) -> None:
+    kw = dict(model="tiny", input="Add 2 and 3.", tools=[FLAT_ADD], tool_choice="required", temperature=0,
+              max_output_tokens=150, reasoning={"effort": "none"}, parallel_tool_calls=False)
+    r = client.responses.create(**kw)  # type: ignore[call-overload]
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "add" and calls[0].call_id
+    jsonschema.validate(json.loads(calls[0].arguments), ADD["function"]["parameters"])
+    events = list(client.responses.create(stream=True, **kw))  # type: ignore[call-overload]
+    final, kinds = _collect(events)
+    streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert streamed == calls[0].arguments == [o for o in final.output if o.type == "function_call"][0].arguments
+    # continue: the stored conversation plus the tool's output
+    follow = client.responses.create(
+        model="tiny", previous_response_id=r.id, max_output_tokens=4, reasoning={"effort": "none"},
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "5"}], tools=[FLAT_ADD],
+        tool_choice="none",
+    )
+    assert follow.previous_response_id == r.id and follow.usage.input_tokens > r.usage.input_tokens
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        client.responses.create(model="tiny", previous_response_id="resp_nope", input="x", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="function tools"):
+        client.responses.create(model="tiny", input="x", tools=[{"type": "web_search"}], max_output_tokens=2)
+
+
+def test_responses_input_items_round_trip(client: openai.OpenAI) -> None:
+    """Explicit items: a reasoning item, a function call and its output, then a user turn."""
+    r = client.responses.create(
+        model="tiny", max_output_tokens=3, tools=[FLAT_ADD], tool_choice="none",
+        input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Add 1 and 2."}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [],
+             "content": [{"type": "reasoning_text", "text": "use add"}]},
+            {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1, "b": 2}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "3"},
+        ],
+    )
+    assert r.status == "incomplete" and r.usage.input_tokens > 200

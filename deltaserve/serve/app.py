@@ -22,6 +22,13 @@ from deltaserve.serve.chat_tools import ToolConfig
 from deltaserve.serve.errors import APIError, error_response, from_api_error, param_of, status_phrase
 from deltaserve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from deltaserve.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from deltaserve.serve.responses import (
+    ResponsesRequest,
+    ResponseStore,
+    prepare_response,
+    response_object,
+    response_stream,
+)
 from deltaserve.serve.serving_chat import chat_response, chat_stream, prepare_chat
 from deltaserve.serve.serving_completion import completion_response, completion_stream, prepare_completion
 
@@ -100,6 +107,25 @@ def build_app(
             )
         out = await _until_disconnect(raw, _last(stream))
         return JSONResponse(chat_response(async_engine, body, prep, out, served_model_name).model_dump())
+
+    responses_store = ResponseStore()  # previous_response_id: the last MAX_STORED_RESPONSES, in memory
+
+    @v1.post("/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        check_model(body.model)
+        prep = prepare_response(async_engine, body, tool_config, responses_store)
+        chat = prep.chat
+        stream = await _add(
+            async_engine, chat.request_id, {"prompt": chat.prompt, "prompt_token_ids": chat.prompt_token_ids},
+            chat.params,
+        )
+        if body.stream:
+            return StreamingResponse(
+                response_stream(async_engine, prep, stream, served_model_name, responses_store),
+                media_type="text/event-stream", headers=_SSE_HEADERS,
+            )
+        out = await _until_disconnect(raw, _last(stream))
+        return JSONResponse(response_object(prep, out, served_model_name, responses_store))
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
