@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -66,6 +68,15 @@ class ServerProcess:
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"the server did not become healthy in {timeout}s:\n{self.log_path.read_text()}")
+
+    @contextmanager
+    def running(self, timeout: float = 120.0) -> Iterator[ServerProcess]:
+        """The server, healthy, for the with-block; stopped after it (a pytest fixture yields inside)."""
+        try:
+            self.wait_ready(timeout)
+            yield self
+        finally:
+            self.stop()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -76,12 +76,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     (ckpt / "config.json").write_text(json.dumps(cfg))
     args = ["--served-model-name", "tiny", "--max-model-len", "1024", "--max-num-seqs", "16",
             "--enable-auto-tool-choice"]
-    proc = ServerProcess(ckpt, args, tmp_path_factory.mktemp("log") / "server.log")
-    try:
-        proc.wait_ready()
+    with ServerProcess(ckpt, args, tmp_path_factory.mktemp("log") / "server.log").running() as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from deltaserve.serve.reasoning import _partial_tag_tail
+
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 
@@ -160,14 +162,6 @@ def parser_for_template(template: str | None) -> str | None:
     return None
 
 
-def _partial_tail(text: str, tag: str) -> int:
-    """Length of the longest proper suffix of text that is a prefix of tag."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
-
-
 @dataclass(slots=True)
 class ToolDelta:
     content: str = ""
@@ -196,7 +190,7 @@ class StreamingToolParser:
                 if start == -1:
                     keep = 0
                     if not final:  # a tag may be starting, and whitespace before a call is not content
-                        keep = _partial_tail(self._buf, CALL_START)
+                        keep = _partial_tag_tail(self._buf, CALL_START)
                         keep += _trailing_space(self._buf[: len(self._buf) - keep])
                     elif self.calls and not self._buf.strip():
                         self._buf = ""  # whitespace after the last call
