@@ -344,3 +344,16 @@ def test_responses_input_items_round_trip(client: openai.OpenAI) -> None:
         ],
     )
     assert r.status == "incomplete" and r.usage.input_tokens > 200
+
+
+def test_auto_with_a_broken_call_keeps_it_as_text(client: openai.OpenAI) -> None:
+    """tool_choice auto: the model opens `<tool_call>` (forced here) and writes noise: no call, the text
+    stays content, streamed as not."""
+    kw = dict(model="tiny", messages=USER, tools=[WEATHER], tool_choice="auto", max_tokens=12, temperature=0,
+              logit_bias={"8188": 100}, extra_body=NO_THINK)
+    whole = client.chat.completions.create(**kw).choices[0]  # type: ignore[call-overload]
+    assert whole.message.content.startswith("<tool_call>") and not whole.message.tool_calls
+    assert whole.finish_reason == "length"
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                   if c.choices)  # type: ignore[call-overload]
+    assert text == whole.message.content

@@ -127,3 +127,10 @@ def test_bad_constraints_are_errors(llm) -> None:
         StructuredOutputsParams(json=SCHEMA, regex="a")
     with pytest.raises(ValueError, match="structured_outputs must be"):
         SamplingParams(structured_outputs={"json": SCHEMA})  # type: ignore[arg-type]
+
+
+def test_chat_renders_tools(llm) -> None:
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    out = llm.chat([{"role": "user", "content": "What time is it?"}], SamplingParams(max_tokens=2), use_tqdm=False,
+                   tools=[tool])[0]
+    assert '<tools>\n{"type": "function", "function": {"name": "get_time"' in out.prompt
