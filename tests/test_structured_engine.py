@@ -134,3 +134,42 @@ def test_chat_renders_tools(llm) -> None:
     out = llm.chat([{"role": "user", "content": "What time is it?"}], SamplingParams(max_tokens=2), use_tqdm=False,
                    tools=[tool])[0]
     assert '<tools>\n{"type": "function", "function": {"name": "get_time"' in out.prompt
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"type": "string", "enum": ["c", "f"]},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "unit"]}}}
+
+
+@pytest.mark.parametrize("parser_name", ["qwen3_coder", "hermes"])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_forced_calls_parse_in_both_formats(llm, parser_name: str, thinking: bool) -> None:
+    """The grammar tool_choice "required" uses, in each parser's format, on the demo (which thinks first
+    when the template opens a think block): the parser reads a call whose arguments validate."""
+    from deltaserve.serve.reasoning import split_reasoning
+    from deltaserve.serve.tool_grammar import tool_call_grammar
+    from deltaserve.serve.tool_parsers import TOOL_PARSERS, extract_tool_calls, tool_schemas
+
+    tok = llm.get_tokenizer()
+    schemas = tool_schemas([WEATHER_TOOL])
+    grammar = tool_call_grammar(tok, parser_name, schemas, parallel=False)
+    so = StructuredOutputsParams(grammar=grammar, reasoning_end="</think>" if thinking else None)
+    questions = ["Weather in Lima?", "Is it cold in Paris today?", "北京天气怎么样？"]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tools=[WEATHER_TOOL],
+                                       enable_thinking=thinking) for q in questions]
+    # Thinking: the demo's reasoning can outrun max_tokens, so a bias makes it close its think block
+    # early (how early is the model's: the grammar leaves the reasoning free).
+    bias = {tok.token_to_id("</think>"): 8.0} if thinking else None
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=300, temperature=0 if thinking else 0.7, seed=s,
+                                                 structured_outputs=so, logit_bias=bias) for s in range(3)],
+                        use_tqdm=False)
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        reasoning, content = split_reasoning(c.text, thinking)
+        rest, calls = extract_tool_calls(TOOL_PARSERS[parser_name](), schemas, content)
+        assert rest == "" and len(calls) == 1 and calls[0].name == "get_weather", c.text
+        jsonschema.validate(calls[0].arguments, schemas["get_weather"])
+        assert "<tool_call>" not in (reasoning or "")

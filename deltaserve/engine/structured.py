@@ -164,11 +164,11 @@ class GrammarCompiler:
         llg = _llguidance()
         body = _body_lark(spec)
         if spec.reasoning_end:
-            # Free reasoning up to its end marker, then newlines, then the constraint.
+            # Free reasoning up to its end marker, then up to two newlines, then the constraint.
             wrapper = (
                 f"start: REASONING {lark_text(self.tokenizer, spec.reasoning_end)} NEWLINES @body\n"
                 f"REASONING: /(?s:.*)/ & ~/(?s:.*){llg.regex_to_lark(_re_escape(spec.reasoning_end))}(?s:.*)/\n"
-                "NEWLINES: /\\n*/\n"
+                "NEWLINES: /\\n{0,2}/\n"  # the template's `</think>\\n\\n`; more would let a model pad forever
             )
             grammar = json.dumps(
                 {"grammars": [{"lark_grammar": wrapper}, {"name": "body", "lark_grammar": body}]}

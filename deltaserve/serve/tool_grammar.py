@@ -4,7 +4,8 @@ tool's parameters schema (required parameters always, optional ones may be left 
 
 qwen3_coder writes values as raw text: a string parameter is free text that cannot contain the
 `\\n</parameter>\\n` closing it (its enum, const, pattern, minLength and maxLength are kept); any other type
-is JSON for its schema. hermes writes the arguments as one JSON object for the parameters schema."""
+is JSON for its schema. hermes writes the arguments as one JSON object for the parameters schema. Both
+admit the declared parameters only (a schema that says additionalProperties otherwise keeps it in hermes)."""
 
 from __future__ import annotations
 
@@ -77,8 +78,12 @@ def _qwen3_coder_call(tokenizer: Any, name: str, params: dict[str, Any], idx: in
 
 def _hermes_call(tokenizer: Any, name: str, params: dict[str, Any], idx: int) -> list[str]:
     prefix = json.dumps("\n" + json.dumps({"name": name})[:-1] + ', "arguments": ')
+    schema = dict(params or {"type": "object"})
+    if "properties" in schema and "additionalProperties" not in schema:
+        # The declared parameters only, as the qwen3_coder grammar: free extra keys are never a useful call.
+        schema["additionalProperties"] = False
     return [
-        f"call_{idx}: {lark_text(tokenizer, CALL_START)} {prefix} {json_schema_lark(params or {'type': 'object'})} "
+        f"call_{idx}: {lark_text(tokenizer, CALL_START)} {prefix} {json_schema_lark(schema)} "
         f"\"}}\\n\" {lark_text(tokenizer, CALL_END)}"
     ]
 
