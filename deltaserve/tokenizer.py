@@ -63,6 +63,7 @@ class Tokenizer:
                 eos.append(tid)
         self.eos_token_ids: list[int] = eos
         added = self._tok.get_added_tokens_decoder()  # id -> AddedToken
+        self.added_token_ids: frozenset[int] = frozenset(added)  # whole tokens, never split (special or not)
         self.all_special_ids: list[int] = sorted(i for i, t in added.items() if t.special)
         self.all_special_tokens: list[str] = [added[i].content for i in self.all_special_ids]
 
@@ -121,6 +122,10 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def to_json(self) -> str:
+        """The tokenizer.json text (a grammar engine builds its token trie from it)."""
+        return self._tok.to_str()
 
     # ---- chat template -------------------------------------------------------------------------------
     def apply_chat_template(

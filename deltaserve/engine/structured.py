@@ -1,25 +1,28 @@
 """Structured outputs through llguidance: a request's StructuredOutputsParams compiles to one grammar, each
 sequence gets a matcher over it, and the sampler masks every token the matcher cannot take.
 
-llguidance was picked by measuring, on the demo's 8192-token vocabulary with one thread, the cost of a
-step's masks for a JSON schema (compute + consume; the mask itself is applied by torch either way):
-llguidance 25 us at batch 1 and 424 us at batch 32, xgrammar 0.2.8 4 us and 178 us, outlines-core 0.2.14
-27 ms (its guide is built per regex, not per token trie). A demo decode step at batch 32 takes tens of
-milliseconds, so both Rust engines cost about 1% of it; llguidance installs alone (xgrammar pulls in
-transformers and triton at run time), takes Lark and GBNF grammars (vLLM's `grammar`), and rolls back,
-which speculative decoding needs.
+The engine was picked by measuring, on the demo's 8192-token vocabulary with one thread, a step's masks
+(compute + consume) for a JSON schema: llguidance 1.9.1 25 us at batch 1 and 424 us at batch 32, xgrammar
+0.2.8 4 us and 178 us, outlines-core 0.2.14 27 ms. xgrammar computes masks faster, but it needs
+transformers and triton at run time; llguidance installs alone, takes Lark and GBNF grammars (vLLM's
+`grammar` field) and regexes directly, and rolls back, which speculative decoding needs. Its mask cost
+matters less than the raw numbers say, because most greedy rows never need a mask (below).
 
 Matchers follow the sequence lazily: before each mask the matcher is synced to the tokens the sampler is
 asked about (rolling back what differs, then consuming the new ones). So the engine needs no hook when a
 token is accepted, and speculative decoding works unchanged: the verify rows of one request sync the
 matcher one draft further each, and the next step rolls back the rejected drafts. A draft the grammar
 rejects leaves the rows after it unmasked; they are never used, because the row before masks that draft
-(greedy argmax cannot pick it, rejection sampling accepts it with probability 0)."""
+(greedy argmax cannot pick it, rejection sampling accepts it with probability 0).
+
+A greedy row whose raw argmax the grammar allows keeps it: masking cannot change an argmax it keeps. Only
+the rows whose grammar refuses their argmax get logits and a mask (Sampler.fix_grammar_argmax)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,10 +33,10 @@ import torch
 
 from deltaserve.sampling import StructuredOutputsParams
 
-# JSON without free whitespace: with flexible whitespace a model can pad forever, and OpenAI's own
-# structured outputs look like json.dumps (", " and ": ").
 _CACHED_GRAMMARS = 64
 _NEG_INF_BITS = np.uint32(0xFF800000)  # float32 -inf
+# JSON without free whitespace: with flexible whitespace a model can pad forever, and OpenAI's own
+# structured outputs look like json.dumps (", " and ": ").
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -51,17 +54,9 @@ def lark_text(tokenizer: Any, text: str) -> str:
     """`text` as a Lark terminal: an added token (`</think>`, `<tool_call>` in Qwen vocabularies) is one
     token that llguidance names `<[id]>`; anything else is a quoted literal."""
     tid = tokenizer.token_to_id(text) if tokenizer is not None else None
-    if tid is not None and tid in _added_ids(tokenizer):
+    if tid is not None and tid in tokenizer.added_token_ids:
         return f"<[{tid}]>"
     return json.dumps(text)
-
-
-def _added_ids(tokenizer: Any) -> set[int]:
-    cached = getattr(tokenizer, "_added_ids_for_grammar", None)
-    if cached is None:
-        cached = set(tokenizer._tok.get_added_tokens_decoder())
-        tokenizer._added_ids_for_grammar = cached
-    return cached
 
 
 def json_schema_lark(schema: dict[str, Any] | bool) -> str:
@@ -144,7 +139,7 @@ class GrammarCompiler:
             # The tokenizer's own EOS is the grammar's end; the engine's other stop ids follow it (below).
             eos = (self.tokenizer.eos_token_ids or self.eos_token_ids)[:1] or None
             self._lltokenizer = _llguidance().LLTokenizer(
-                self.tokenizer._tok.to_str(), n_vocab=self.vocab_size, eos_token=eos
+                self.tokenizer.to_json(), n_vocab=self.vocab_size, eos_token=eos
             )
         return self._lltokenizer
 
@@ -167,7 +162,7 @@ class GrammarCompiler:
             # Free reasoning up to its end marker, then up to two newlines, then the constraint.
             wrapper = (
                 f"start: REASONING {lark_text(self.tokenizer, spec.reasoning_end)} NEWLINES @body\n"
-                f"REASONING: /(?s:.*)/ & ~/(?s:.*){llg.regex_to_lark(_re_escape(spec.reasoning_end))}(?s:.*)/\n"
+                f"REASONING: /(?s:.*)/ & ~/(?s:.*){llg.regex_to_lark(re.escape(spec.reasoning_end))}(?s:.*)/\n"
                 "NEWLINES: /\\n{0,2}/\n"  # the template's `</think>\\n\\n`; more would let a model pad forever
             )
             grammar = json.dumps(
@@ -179,12 +174,6 @@ class GrammarCompiler:
         if error:
             raise GrammarError(f"the {_what(spec)} is invalid: {error.strip()}")
         return CompiledGrammar(grammar, self.lltokenizer)
-
-
-def _re_escape(text: str) -> str:
-    import re
-
-    return re.escape(text)
 
 
 @dataclass(slots=True, eq=False)
