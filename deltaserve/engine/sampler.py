@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltaserve.engine.structured import CompiledGrammar, GrammarMatcher, apply_grammar_masks
+from deltaserve.engine.structured import CompiledGrammar, GrammarMatcher, apply_grammar_masks, masked_argmax
 from deltaserve.sampling import SamplingParams
 
 # Exponential draws of exactly 0 would turn p/q into inf (or nan for p = 0); this floor keeps the race fair.
@@ -159,7 +159,11 @@ class Sampler:
             if g is not None and g.sync(s.output_token_ids) and not g.allows(t, self.eos_token_ids):
                 refused.append(i)
         if refused:
-            fixed = self(logits_of(refused), [states[i] for i in refused]).token_ids
+            rows = [states[i] for i in refused]
+            fixed = masked_argmax(
+                logits_of(refused).float(), [s.grammar for s in rows], [s.output_token_ids for s in rows],
+                self.eos_token_ids,
+            )
             for i, t in zip(refused, fixed, strict=True):
                 tokens[i] = t
         return tokens
