@@ -34,7 +34,8 @@ import torch
 from deltaserve.sampling import StructuredOutputsParams
 
 _CACHED_GRAMMARS = 64
-_NEG_INF_BITS = np.uint32(0xFF800000)  # float32 -inf
+# _BYTE_BIAS[b, i]: 0.0 if bit i of byte b is set (the token is allowed), else -inf
+_BYTE_BIAS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, 0.0, -np.inf).astype(np.float32)
 # JSON without free whitespace: with flexible whitespace a model can pad forever, and OpenAI's own
 # structured outputs look like json.dumps (", " and ": ").
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -260,14 +261,14 @@ def masked_argmax(logits: torch.Tensor, matchers: list[GrammarMatcher], outputs:
 
 
 def _refusal_bias(bitmask: torch.Tensor, vocab: int, grammar_eos: int, eos_token_ids: Sequence[int]) -> torch.Tensor:
-    """[rows, vocab] float32: 0 where the grammar allows the token, -inf where it refuses it."""
-    # little-endian bits of each int32 word, token t at bit t % 32 of word t // 32
-    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    """[rows, vocab] float32: 0 where the grammar allows the token, -inf where it refuses it. Each byte of
+    the bitmask (8 tokens, little-endian bits) looks up its 8 biases at once: no branch per token (masked_fill
+    with a mask this irregular measured 450 us for 6 x 8192)."""
+    rows = bitmask.shape[0]
+    bias = _BYTE_BIAS[bitmask.numpy().view(np.uint8)].reshape(rows, -1)[:, :vocab]
     # Every id that ends the sequence is allowed exactly when the grammar may end (a checkpoint's EOS id
     # can also be an ordinary token of the tokenizer: it must not end the output early).
     eos = [t for t in eos_token_ids if 0 <= t < vocab]
     if eos:
-        allowed[:, eos] = allowed[:, grammar_eos].copy()[:, None]
-    # Built from the bit pattern of -inf and added: branch-free, ten times faster than masked_fill with a
-    # mask this irregular (50 against 450 us for 6 x 8192).
-    return torch.from_numpy(((1 - allowed).astype(np.uint32) * _NEG_INF_BITS).view(np.float32))
+        bias[:, eos] = bias[:, grammar_eos].copy()[:, None]
+    return torch.from_numpy(bias)
