@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -130,7 +131,9 @@ class GrammarCompiler:
         self.eos_token_ids = list(eos_token_ids)
         self._lltokenizer: Any = None
         # Requests often repeat a schema (one client, one tool set): compiled grammars are kept, a few.
+        # The server compiles on its request threads (to name the field in a 400), the engine on its own.
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
 
     @property
     def lltokenizer(self) -> Any:
@@ -146,14 +149,16 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         key = json.dumps(dataclasses.asdict(spec), sort_keys=True)
-        hit = self._cache.get(key)
-        if hit is not None:
-            self._cache.move_to_end(key)
-            return hit
-        compiled = self._compile(spec)
-        self._cache[key] = compiled
-        if len(self._cache) > _CACHED_GRAMMARS:
-            self._cache.popitem(last=False)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        compiled = self._compile(spec)  # outside the lock: a slow schema does not hold up the others
+        with self._lock:
+            self._cache[key] = compiled
+            if len(self._cache) > _CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
         return compiled
 
     def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
