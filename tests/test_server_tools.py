@@ -156,6 +156,10 @@ def test_structured_outputs_field(client: openai.OpenAI) -> None:
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", ask({"regex": r"[0-9]{3}-[a-z]{2}"}, "completions"))
     assert ask({"grammar": 'start: "a" ("b" | "c") "d"'}) in ("abd", "acd")
     assert ask({"grammar": 'root ::= "x" [0-9]'})[0] == "x"
+    legacy = client.chat.completions.create(  # vLLM's older field name
+        model="tiny", messages=USER, max_tokens=10, extra_body={**NO_THINK, "guided_choice": ["left", "right"]},
+    ).choices[0].message.content
+    assert legacy in ("left", "right")
     obj = json.loads(ask({"json": {"type": "object", "properties": {"k": {"type": "boolean"}},
                                    "required": ["k"], "additionalProperties": False}}))
     assert isinstance(obj["k"], bool)

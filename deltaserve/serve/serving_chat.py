@@ -50,7 +50,7 @@ def prepare_chat(
 ) -> PreparedChat:
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tool_config or ToolConfig(),
                        engine.tokenizer)
-    structured, field = structured_from_request(req.response_format, req.structured_outputs)
+    structured, field = structured_from_request(req.response_format, req.structured_outputs, req.model_extra)
     if structured is not None and tools.structured is not None:
         raise APIError(400, f"tool_choice {tools.choice!r} cannot be combined with {field}", param=field)
     if tools.structured is not None:

@@ -49,7 +49,7 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
 def prepare_completion(engine: AsyncEngine, req: CompletionRequest) -> tuple[str, list[PreparedPrompt]]:
     """(response id, one prepared engine request per prompt)."""
     base = random_id("cmpl")
-    structured, field = structured_from_request(req.response_format, req.structured_outputs)
+    structured, field = structured_from_request(req.response_format, req.structured_outputs, req.model_extra)
     if structured is not None:
         check_compiles(engine, structured, field)
     prepared = []

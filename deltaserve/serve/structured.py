@@ -11,6 +11,8 @@ from deltaserve.sampling import StructuredOutputsParams
 from deltaserve.serve.errors import APIError
 
 _STRUCTURED_FIELDS = ("choice", "regex", "json", "grammar", "json_object")
+# vLLM's older request fields for the same, still sent by some clients
+_GUIDED_FIELDS = {f"guided_{k}": k for k in ("json", "regex", "choice", "grammar")}
 
 
 def _from_response_format(rf: dict[str, Any]) -> StructuredOutputsParams | None:
@@ -45,9 +47,16 @@ def _from_structured_outputs(so: dict[str, Any]) -> StructuredOutputsParams:
 
 
 def structured_from_request(
-    response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
+    response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[StructuredOutputsParams | None, str | None]:
-    """(the constraint, the field it came from) of a request; both fields at once is a 400."""
+    """(the constraint, the field it came from) of a request; both fields at once is a 400. extra: the
+    request's unknown fields, where vLLM's older guided_json / guided_regex / ... may be."""
+    guided = {v: extra[k] for k, v in _GUIDED_FIELDS.items() if extra and extra.get(k) is not None}
+    if guided:
+        if structured_outputs is not None:
+            raise APIError(400, "give structured_outputs or guided_*, not both", param="structured_outputs")
+        structured_outputs = guided
     if response_format is not None and structured_outputs is not None:
         rf = _from_response_format(response_format)
         if rf is not None:
