@@ -361,3 +361,12 @@ def test_auto_with_a_broken_call_keeps_it_as_text(client: openai.OpenAI) -> None
     text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
                    if c.choices)  # type: ignore[call-overload]
     assert text == whole.message.content
+
+
+def test_responses_json_schema_text_format(client: openai.OpenAI) -> None:
+    r = client.responses.create(
+        model="tiny", input="A person, please.", max_output_tokens=200, temperature=1.0, reasoning={"effort": "none"},
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
+    )
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), PERSON)

@@ -36,6 +36,8 @@ def render_chat_prompt(
     convo = []
     for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True)
+        if d["role"] == "developer":  # OpenAI's newer name for system; most checkpoints' templates know only system
+            d["role"] = "system"
         d["content"] = _text_of(m.content, i) or ""
         convo.append(d)
     kwargs = dict(chat_template_kwargs or {})
