@@ -91,7 +91,7 @@ def _check_call(call: object) -> None:
     jsonschema.validate(json.loads(fn.arguments), SCHEMAS[fn.name])
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(8))
 def test_required_calls_always_parse_and_validate(client: openai.OpenAI, seed: int) -> None:
     r = client.chat.completions.create(
         model="tiny", messages=USER, tools=[WEATHER, ADD], tool_choice="required", max_tokens=200,
@@ -105,6 +105,19 @@ def test_required_calls_always_parse_and_validate(client: openai.OpenAI, seed: i
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_parallel_required_calls_each_validate(client: openai.OpenAI, seed: int) -> None:
+    r = client.chat.completions.create(
+        model="tiny", messages=USER, tools=[WEATHER, ADD], tool_choice="required", max_tokens=300,
+        temperature=1.0, seed=seed, extra_body=NO_THINK, parallel_tool_calls=True,
+    )
+    calls = r.choices[0].message.tool_calls
+    assert calls  # one or more; a call cut off by max_tokens stays text
+    assert len({c.id for c in calls}) == len(calls)
+    for call in calls:
+        _check_call(call)
+
+
+@pytest.mark.parametrize("seed", range(6))
 def test_named_call_is_that_function(client: openai.OpenAI, seed: int) -> None:
     r = client.chat.completions.create(
         model="tiny", messages=USER, tools=[WEATHER, ADD], max_tokens=200, temperature=1.0, seed=seed,
@@ -128,7 +141,7 @@ def test_required_call_after_reasoning(client: openai.OpenAI) -> None:
     assert not m.content
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(8))
 def test_json_schema_outputs_validate(client: openai.OpenAI, seed: int) -> None:
     r = client.chat.completions.create(
         model="tiny", messages=USER, max_tokens=200, temperature=1.0, seed=seed, extra_body=NO_THINK,
