@@ -154,3 +154,15 @@ def test_demo_tokenizer_matches_transformers(kwargs: dict) -> None:
         pytest.skip("demo tokenizer has no chat template")
     for messages in (MESSAGES[1:2], MESSAGES):  # one turn; multi-turn with reasoning and a system prompt
         assert tok.apply_chat_template(messages, **kwargs) == _hf_render(DEMO_DIR, messages, **kwargs)
+
+
+@pytest.mark.skipif(not (DEMO_DIR / "tokenizer.json").exists(), reason="demo tokenizer not built yet")
+def test_demo_template_is_the_corpus_source_of_truth() -> None:
+    """train_tokenizer.py stores scripts/corpus/chat.py's CHAT_TEMPLATE: a rebuild keeps the template."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "corpus" / "chat.py"
+    spec = importlib.util.spec_from_file_location("corpus_chat", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert Tokenizer.from_dir(DEMO_DIR).chat_template == module.CHAT_TEMPLATE
