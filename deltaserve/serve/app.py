@@ -31,6 +31,7 @@ from deltaserve.serve.responses import (
 )
 from deltaserve.serve.serving_chat import chat_response, chat_stream, prepare_chat
 from deltaserve.serve.serving_completion import completion_response, completion_stream, prepare_completion
+from deltaserve.serve.tool_parsers import parser_for_template
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,7 +57,8 @@ def build_app(
     app.state.engine = async_engine
     app.state.metrics = metrics
     app.state.served_model_name = served_model_name
-    tool_config = tool_config or ToolConfig()
+    if tool_config is None:  # no flags: no auto tool choice, the parser the chat template's format needs
+        tool_config = ToolConfig(False, parser_for_template(getattr(async_engine.tokenizer, "chat_template", None)))
 
     async def check_api_key(request: Request) -> None:
         if api_key is None:
