@@ -189,13 +189,16 @@ class GrammarMatcher:
     matcher: Any
     eos_token_id: int  # the grammar's end token
     tokens: list[int] = field(default_factory=list)
+    # The list last synced to. A request's own output list only ever grows (the engine appends to it), so
+    # when it comes again its first len(tokens) entries need no comparing.
+    _source: Any = None
 
     def sync(self, tokens: Sequence[int]) -> bool:
         """Bring the matcher to exactly `tokens` (the sequence's output so far); False when the grammar
         rejects one of them (then the mask is meaningless: the row cannot be reached)."""
         have = len(self.tokens)
-        if len(tokens) >= have and list(tokens[:have]) == self.tokens:
-            common = have  # the usual case, one comparison in C: the sequence only grew
+        if len(tokens) >= have and (tokens is self._source or tokens[:have] == self.tokens):
+            common = have  # the usual case: the sequence only grew
         else:
             common = 0
             n = min(have, len(tokens))
@@ -204,12 +207,13 @@ class GrammarMatcher:
         if common < len(self.tokens):
             self.matcher.rollback(len(self.tokens) - common)
             del self.tokens[common:]
+        self._source = tokens
+        if len(tokens) == common:
+            return True
         new = list(tokens[common:])
-        if new:
-            taken = self.matcher.try_consume_tokens(new)
-            self.tokens.extend(new[:taken])
-            return taken == len(new)
-        return True
+        taken = self.matcher.try_consume_tokens(new)
+        self.tokens.extend(new[:taken])
+        return taken == len(new)
 
     def allows(self, token: int, eos_token_ids: Sequence[int]) -> bool:
         """Whether the grammar can take `token` next (an id that ends the sequence: whether it may end)."""
