@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str) -> Any:
@@ -13,10 +13,10 @@ def __getattr__(name: str) -> Any:
         from deltaserve.engine.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from deltaserve.sampling import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from deltaserve import sampling
 
-        return SamplingParams
+        return getattr(sampling, name)
     if name in ("RequestOutput", "CompletionOutput"):
         from deltaserve import outputs
 

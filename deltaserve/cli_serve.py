@@ -31,6 +31,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="the name clients send as `model` (default: the model path, or deltaserve-demo)",
     )
+    p.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs a tool-call parser',
+    )
+    p.add_argument(
+        "--tool-call-parser", choices=["qwen3_coder", "hermes"], default=None,
+        help="how tool calls are read from the output (default: the one the chat template's call format needs)",
+    )
     p.add_argument("--uvicorn-log-level", default="info")
     p.add_argument("--disable-access-log", action="store_true", help="no per-request uvicorn log lines")
     p.set_defaults(func=run_serve)

@@ -5,10 +5,44 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 # vLLM treats temperatures below this as greedy: dividing by ~0 would overflow the logits.
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrained decoding, as vLLM's StructuredOutputsParams: exactly one of json (a JSON schema, dict or
+    string), regex, choice (the output is one of these strings), grammar (Lark, or GBNF with `::=`) or
+    json_object (any JSON object). The grammar engine (llguidance, deltaserve/engine/structured.py) masks
+    every token the constraint cannot continue with.
+
+    reasoning_end: the constraint starts after this text (the chat server passes "</think>" when the
+    prompt leaves a think block open, so the reasoning stays free, as vLLM's reasoning parser does)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    reasoning_end: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar or json_object, "
+                f"got {given or 'none'}"
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
 
 
 @dataclass(slots=True)
@@ -31,6 +65,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -46,6 +81,11 @@ class SamplingParams:
                 (int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k): v
                 for k, v in dict(self.logit_bias).items()
             }
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
         self._validate()
 
     def _validate(self) -> None:

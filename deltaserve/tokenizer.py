@@ -63,6 +63,7 @@ class Tokenizer:
                 eos.append(tid)
         self.eos_token_ids: list[int] = eos
         added = self._tok.get_added_tokens_decoder()  # id -> AddedToken
+        self.added_token_ids: frozenset[int] = frozenset(added)  # whole tokens, never split (special or not)
         self.all_special_ids: list[int] = sorted(i for i, t in added.items() if t.special)
         self.all_special_tokens: list[str] = [added[i].content for i in self.all_special_ids]
 
@@ -122,6 +123,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (a grammar engine builds its token trie from it)."""
+        return self._tok.to_str()
+
     # ---- chat template -------------------------------------------------------------------------------
     def apply_chat_template(
         self,
@@ -147,6 +152,8 @@ class Tokenizer:
             reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
             if reasoning is not None:
                 m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+            if m.get("tool_calls"):
+                m = {**m, "tool_calls": [_arguments_as_mapping(c) for c in m["tool_calls"]]}
             chat.append(m)
         kwargs = {**self.special_tokens, **template_kwargs}
         documents = kwargs.pop("documents", None)
@@ -171,6 +178,27 @@ class _GenerationTag(jinja2.ext.Extension):
 
     def _render(self, caller: Any) -> str:
         return caller()
+
+
+def _arguments_as_mapping(call: Any) -> Any:
+    """OpenAI sends a tool call's arguments as a JSON string; templates that render each parameter (Qwen3.5's
+    `<parameter=NAME>`) iterate them as a mapping, so decode the string as vLLM does (a string that is not
+    a JSON object stays as it is)."""
+    if not isinstance(call, dict):
+        return call
+    fn = call.get("function") if isinstance(call.get("function"), dict) else None
+    args = (fn or call).get("arguments")
+    if not isinstance(args, str):
+        return call
+    try:
+        decoded = json.loads(args)
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(decoded, dict):
+        return call
+    if fn is not None:
+        return {**call, "function": {**fn, "arguments": decoded}}
+    return {**call, "arguments": decoded}
 
 
 def _raise_exception(message: str) -> None:

@@ -80,6 +80,15 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"the server did not become healthy in {timeout}s:\n{self.log_path.read_text()}")
 
+    @contextlib.contextmanager
+    def running(self, timeout: float = 120.0) -> Iterator[ServerProcess]:
+        """The server, healthy, for the with-block; stopped after it (a pytest fixture yields inside)."""
+        try:
+            self.wait_ready(timeout)
+            yield self
+        finally:
+            self.stop()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

@@ -109,6 +109,36 @@ def test_chat_template_matches_transformers(tok_dir: Path, tok: Tokenizer, kwarg
     assert tok.apply_chat_template(MESSAGES, **kwargs) == _hf_render(tok_dir, MESSAGES, **kwargs)
 
 
+TOOL_TURNS = [
+    {"role": "developer", "content": "Use tools."},
+    {"role": "user", "content": "Weather in Paris, and 2+3?"},
+    {"role": "assistant", "content": "", "reasoning_content": "Two tools.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}},
+        {"id": "c2", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": [3, {"x": None}]}}},
+    ]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "c2", "content": "5"},
+]
+
+
+@pytest.mark.skipif(not (DEMO_DIR / "tokenizer.json").exists(), reason="demo tokenizer not built yet")
+def test_demo_template_renders_qwen35_tool_turns() -> None:
+    tok = Tokenizer.from_dir(DEMO_DIR)
+    text = tok.apply_chat_template(TOOL_TURNS, tools=TOOLS)
+    assert text == _hf_render(DEMO_DIR, TOOL_TURNS, tools=TOOLS, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n# Tools\n") and "\n\nUse tools.<|im_end|>" in text
+    assert ("<think>\nTwo tools.\n</think>\n\n<tool_call>\n<function=weather>\n<parameter=city>\nParis\n"
+            "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=add>\n") in text
+    assert '<parameter=b>\n[3, {"x": null}]\n</parameter>' in text
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\n5\n</tool_response>" in text
+    # OpenAI sends arguments as a JSON string: it renders as the mapping does
+    as_strings = [dict(m, tool_calls=[{**c, "function": {**c["function"], "arguments": json.dumps(
+        c["function"]["arguments"])}} for c in m["tool_calls"]]) if "tool_calls" in m else m for m in TOOL_TURNS]
+    assert tok.apply_chat_template(as_strings, tools=TOOLS) == text
+    with pytest.raises(ChatTemplateError, match="Unexpected message role 'robot'"):
+        tok.apply_chat_template([{"role": "robot", "content": "x"}])
+
+
 @pytest.mark.skipif(not (DEMO_DIR / "tokenizer.json").exists(), reason="demo tokenizer not built yet")
 @pytest.mark.parametrize("kwargs", [
     dict(add_generation_prompt=True),
@@ -124,3 +154,15 @@ def test_demo_tokenizer_matches_transformers(kwargs: dict) -> None:
         pytest.skip("demo tokenizer has no chat template")
     for messages in (MESSAGES[1:2], MESSAGES):  # one turn; multi-turn with reasoning and a system prompt
         assert tok.apply_chat_template(messages, **kwargs) == _hf_render(DEMO_DIR, messages, **kwargs)
+
+
+@pytest.mark.skipif(not (DEMO_DIR / "tokenizer.json").exists(), reason="demo tokenizer not built yet")
+def test_demo_template_is_the_corpus_source_of_truth() -> None:
+    """train_tokenizer.py stores scripts/corpus/chat.py's CHAT_TEMPLATE: a rebuild keeps the template."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "corpus" / "chat.py"
+    spec = importlib.util.spec_from_file_location("corpus_chat", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert Tokenizer.from_dir(DEMO_DIR).chat_template == module.CHAT_TEMPLATE

@@ -106,15 +106,17 @@ class LLM:
         use_tqdm: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} messages) or a list of conversations."""
+        """One conversation (a list of {"role", "content"} messages) or a list of conversations; tools
+        (OpenAI's function specs) go to the chat template, as in vLLM's LLM.chat."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model directory has no tokenizer.json, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             tok.apply_chat_template(
-                c, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+                c, add_generation_prompt=add_generation_prompt, tools=tools, **(chat_template_kwargs or {})
             )
             for c in conversations
         ]

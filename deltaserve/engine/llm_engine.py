@@ -27,6 +27,7 @@ from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_params_for_vocab
 from deltaserve.engine.scheduler import Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder
+from deltaserve.engine.structured import GrammarCompiler
 from deltaserve.engine.threads import set_compute_threads
 from deltaserve.executor import make_executor, start_tensor_parallel
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
@@ -122,6 +123,7 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = sorted(eos)
         self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(
             self.cache, config.max_num_seqs, config.max_num_batched_tokens, self.output_processor, k
         )
@@ -169,6 +171,8 @@ class LLMEngine:
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
         validate_params_for_vocab(params, self.model_config.vocab_size)
+        # structured outputs: compiled once per request (GrammarError, a ValueError, names a bad schema)
+        grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         group = RequestGroup(request_id, text, ids, params)
         for i, child_id in enumerate(child_ids):
             detok = None
@@ -178,7 +182,7 @@ class LLMEngine:
                 request_id=child_id,
                 prompt_token_ids=ids,
                 params=params,
-                sampling=make_sampling_state(params, ids, seed_offset=i),
+                sampling=make_sampling_state(params, ids, seed_offset=i, grammar=grammar),
                 detokenizer=detok,
                 group=group,
                 index=i,

@@ -24,7 +24,14 @@ class LogitsHead:
         sampler: Sampler,
     ) -> list[int] | None:
         """The argmax token of each row's logits without building them in Python, when every row is plain
-        greedy (the sampler's stages would leave its logits as they are); else None."""
-        if not sampler.plain_greedy(states):
-            return None
-        return self.greedy_tokens(hidden, rows).tolist()
+        greedy (the sampler's stages would leave its logits as they are), or plain greedy under a grammar
+        (structured outputs: only the rows whose grammar refuses their argmax get logits); else None."""
+        if sampler.plain_greedy(states):
+            return self.greedy_tokens(hidden, rows).tolist()
+        if sampler.grammar_greedy(states):
+            def logits_of(sub: list[int]) -> torch.Tensor:
+                index = torch.tensor(sub, dtype=torch.long)
+                return self.compute_logits(hidden, index if rows is None else rows[index])
+
+            return sampler.fix_grammar_argmax(self.greedy_tokens(hidden, rows).tolist(), states, logits_of)
+        return None

@@ -1,7 +1,8 @@
 """Turns the logits of the positions that need a token into tokens, one row per sequence, following vLLM's
 order of processing:
 
-    logit_bias -> min_tokens (mask EOS / stop ids) -> penalties -> [greedy: argmax]
+    logit_bias -> min_tokens (mask EOS / stop ids) -> penalties -> grammar mask (structured outputs)
+    -> [greedy: argmax]
     -> temperature -> top_k -> top_p -> min_p -> sample
 
 Logprobs are those of the raw model distribution (log_softmax of the logits as they came in), as vLLM
@@ -11,11 +12,12 @@ which other sequences share the batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from deltaserve.engine.structured import CompiledGrammar, GrammarMatcher, apply_grammar_masks, masked_argmax
 from deltaserve.sampling import SamplingParams
 
 # Exponential draws of exactly 0 would turn p/q into inf (or nan for p = 0); this floor keeps the race fair.
@@ -31,10 +33,12 @@ class SequenceSamplingState:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
+    grammar: GrammarMatcher | None = None  # structured outputs: this sequence's matcher
 
 
 def make_sampling_state(
-    params: SamplingParams, prompt_token_ids: Sequence[int], seed_offset: int = 0
+    params: SamplingParams, prompt_token_ids: Sequence[int], seed_offset: int = 0,
+    grammar: CompiledGrammar | None = None,
 ) -> SequenceSamplingState:
     """A seeded request gets its own CPU generator seeded with seed + seed_offset (the engine passes the
     child index for n > 1, so siblings differ but every run repeats); unseeded requests share the global
@@ -44,7 +48,10 @@ def make_sampling_state(
         generator = torch.Generator(device="cpu")
         # torch seeds must be non-negative 64-bit; wrap any Python int into that range.
         generator.manual_seed((params.seed + seed_offset) % (1 << 63))
-    return SequenceSamplingState(params=params, generator=generator, prompt_token_ids=list(prompt_token_ids))
+    return SequenceSamplingState(
+        params=params, generator=generator, prompt_token_ids=list(prompt_token_ids),
+        grammar=grammar.matcher() if grammar is not None else None,
+    )
 
 
 @dataclass(slots=True)
@@ -123,12 +130,48 @@ class Sampler:
 
     def _modifies(self, s: SequenceSamplingState) -> bool:
         """Whether process_logits would change this sequence's row."""
+        return s.grammar is not None or self._modifies_besides_grammar(s)
+
+    @staticmethod
+    def _modifies_besides_grammar(s: SequenceSamplingState) -> bool:
         p = s.params
         return bool(p.logit_bias) or len(s.output_token_ids) < p.min_tokens or _has_penalties(p)
 
+    # ---- greedy rows under a grammar, without their logits ---------------------------------------------
+    def grammar_greedy(self, states: Sequence[SequenceSamplingState]) -> bool:
+        """Whether every row is plain greedy but for a grammar: then a row's token is its raw argmax
+        whenever its grammar allows that token (masking cannot change an argmax it keeps)."""
+        return any(s.grammar is not None for s in states) and all(
+            s.params.greedy and s.params.logprobs is None and not self._modifies_besides_grammar(s)
+            for s in states
+        )
+
+    def fix_grammar_argmax(
+        self, tokens: list[int], states: Sequence[SequenceSamplingState],
+        logits_of: Callable[[list[int]], torch.Tensor],
+    ) -> list[int]:
+        """tokens: each row's raw argmax (grammar_greedy states). Rows whose grammar refuses their token get
+        the masked argmax, from logits_of(rows) -> [len(rows), V]; the others keep theirs."""
+        refused = []
+        for i, (t, s) in enumerate(zip(tokens, states, strict=True)):
+            g = s.grammar
+            # An unreachable row (sync fails: a rejected draft before it) keeps its token; nothing reads it.
+            if g is not None and g.sync(s.output_token_ids) and not g.allows(t, self.eos_token_ids):
+                refused.append(i)
+        if refused:
+            rows = [states[i] for i in refused]
+            fixed = masked_argmax(
+                logits_of(refused).float(), [s.grammar for s in rows], [s.output_token_ids for s in rows],
+                self.eos_token_ids,
+            )
+            for i, t in zip(refused, fixed, strict=True):
+                tokens[i] = t
+        return tokens
+
     # ---- stages (public so speculative decoding can build the same target distribution) ----------------
     def process_logits(self, logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> torch.Tensor:
-        """logit_bias, min_tokens masking and penalties; returns a new tensor, the input is untouched."""
+        """logit_bias, min_tokens masking, penalties and grammar masks; returns a new tensor, the input is
+        untouched."""
         logits = logits.float().clone()
         vocab = logits.shape[1]
         for i, s in enumerate(states):
@@ -144,6 +187,12 @@ class Sampler:
                 if banned:
                     logits[i, banned] = float("-inf")
         _apply_penalties(logits, states)
+        rows = [i for i, s in enumerate(states) if s.grammar is not None]
+        if rows:
+            apply_grammar_masks(
+                logits, rows, [states[i].grammar for i in rows], [states[i].output_token_ids for i in rows],
+                self.eos_token_ids, [states[i].params.greedy for i in rows],
+            )
         return logits
 
     def filtered_probs(self, logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> torch.Tensor:

@@ -25,6 +25,7 @@ at position t, i.e. after reading x_0..x_t):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,7 +65,7 @@ class VerifyResult:
 
 def _state_at(s: SequenceSamplingState, extra: list[int]) -> SequenceSamplingState:
     """The sampling state as it would be with `extra` tokens already generated (penalties, min_tokens)."""
-    return SequenceSamplingState(s.params, s.generator, s.prompt_token_ids, s.output_token_ids + extra)
+    return dataclasses.replace(s, output_token_ids=s.output_token_ids + extra)  # keeps the grammar matcher
 
 
 def _logprob_entry(row: torch.Tensor, token: int, n: int) -> dict[int, float]:

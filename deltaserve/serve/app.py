@@ -18,11 +18,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deltaserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling import SamplingParams
+from deltaserve.serve.chat_tools import ToolConfig
 from deltaserve.serve.errors import APIError, error_response, from_api_error, param_of, status_phrase
 from deltaserve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from deltaserve.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from deltaserve.serve.responses import (
+    ResponsesRequest,
+    ResponseStore,
+    prepare_response,
+    response_object,
+    response_stream,
+)
 from deltaserve.serve.serving_chat import chat_response, chat_stream, prepare_chat
 from deltaserve.serve.serving_completion import completion_response, completion_stream, prepare_completion
+from deltaserve.serve.tool_parsers import parser_for_template
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,6 +49,7 @@ def build_app(
     api_key: str | None = None,
     extra_routers: Sequence[APIRouter] = (),
     model_root: str | None = None,
+    tool_config: ToolConfig | None = None,
 ) -> FastAPI:
     app = FastAPI(title="deltaserve", description="OpenAI-compatible API for Qwen3.5 / Qwen3.8 models")
     metrics = ServerMetrics(served_model_name)
@@ -47,6 +57,8 @@ def build_app(
     app.state.engine = async_engine
     app.state.metrics = metrics
     app.state.served_model_name = served_model_name
+    if tool_config is None:  # no flags: no auto tool choice, the parser the chat template's format needs
+        tool_config = ToolConfig(False, parser_for_template(getattr(async_engine.tokenizer, "chat_template", None)))
 
     async def check_api_key(request: Request) -> None:
         if api_key is None:
@@ -82,7 +94,7 @@ def build_app(
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         check_model(body.model)
-        prep = prepare_chat(async_engine, body)
+        prep = prepare_chat(async_engine, body, tool_config)
         stream = await _add(
             async_engine,
             prep.request_id,
@@ -97,6 +109,25 @@ def build_app(
             )
         out = await _until_disconnect(raw, _last(stream))
         return JSONResponse(chat_response(async_engine, body, prep, out, served_model_name).model_dump())
+
+    responses_store = ResponseStore()  # previous_response_id: the last MAX_STORED_RESPONSES, in memory
+
+    @v1.post("/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        check_model(body.model)
+        prep = prepare_response(async_engine, body, tool_config, responses_store)
+        chat = prep.chat
+        stream = await _add(
+            async_engine, chat.request_id, {"prompt": chat.prompt, "prompt_token_ids": chat.prompt_token_ids},
+            chat.params,
+        )
+        if body.stream:
+            return StreamingResponse(
+                response_stream(async_engine, prep, stream, served_model_name, responses_store),
+                media_type="text/event-stream", headers=_SSE_HEADERS,
+            )
+        out = await _until_disconnect(raw, _last(stream))
+        return JSONResponse(response_object(prep, out, served_model_name, responses_store))
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:

@@ -29,12 +29,15 @@ def render_chat_prompt(
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     convo = []
     for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True)
+        if d["role"] == "developer":  # OpenAI's newer name for system; most checkpoints' templates know only system
+            d["role"] = "system"
         d["content"] = _text_of(m.content, i) or ""
         convo.append(d)
     kwargs = dict(chat_template_kwargs or {})
@@ -44,7 +47,9 @@ def render_chat_prompt(
                 400, f"chat_template_kwargs may not set {reserved!r}", param="chat_template_kwargs"
             )
     try:
-        return tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt, **kwargs)
+        return tokenizer.apply_chat_template(
+            convo, add_generation_prompt=add_generation_prompt, tools=tools or None, **kwargs
+        )
     except ValueError as e:  # ChatTemplateError: the template refused this conversation
         raise APIError(
             400, f"the chat template could not render these messages: {e}", param="messages"

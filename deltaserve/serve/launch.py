@@ -31,6 +31,19 @@ deltaserve is serving `{model}` at {base}/v1  (metrics: {base}/metrics, health: 
 """
 
 
+def tool_config(args: argparse.Namespace, tokenizer: Any) -> Any:
+    """--enable-auto-tool-choice and --tool-call-parser, the parser defaulting to the chat template's."""
+    from deltaserve.serve.chat_tools import ToolConfig
+    from deltaserve.serve.tool_parsers import parser_for_template
+
+    parser = getattr(args, "tool_call_parser", None)
+    if parser is None:
+        parser = parser_for_template(getattr(tokenizer, "chat_template", None))
+        if parser is not None:
+            log.info("tool-call parser: %s (from the chat template)", parser)
+    return ToolConfig(bool(getattr(args, "enable_auto_tool_choice", False)), parser)
+
+
 def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     import uvicorn
 
@@ -46,7 +59,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     log.info("loading %s", config.model or "the embedded demo checkpoint")
     engine = AsyncEngine(LLMEngine(config)).start()
     app = build_app(engine, name, api_key=args.api_key, model_root=config.model,
-                    extra_routers=[build_inspect_router(engine.engine)])  # the inspector at /inspect
+                    extra_routers=[build_inspect_router(engine.engine)],  # the inspector at /inspect
+                    tool_config=tool_config(args, engine.tokenizer))
     print(usage_banner(args.host, args.port, name, args.api_key), flush=True)
     server = uvicorn.Server(
         uvicorn.Config(

@@ -48,6 +48,9 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Structured outputs (deltaserve/serve/structured.py): OpenAI's and vLLM's fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatMessage(_Request):
@@ -67,6 +70,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_SamplingFields):
@@ -138,6 +144,7 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _only_set(self, handler: Any) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """POST /v1/chat/completions: messages -> prompt, one engine request with n sequences, the answer split
-into reasoning_content and content, streamed as chat.completion.chunk events or returned whole."""
+into reasoning_content, content and tool_calls, streamed as chat.completion.chunk events or returned
+whole."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -12,6 +14,8 @@ from deltaserve.engine.detokenizer import stop_holdback
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling import SamplingParams
 from deltaserve.serve.chat import render_chat_prompt
+from deltaserve.serve.chat_tools import ToolConfig, ToolPlan, plan_tools
+from deltaserve.serve.errors import APIError
 from deltaserve.serve.logprobs import chat_logprobs
 from deltaserve.serve.params import to_sampling_params
 from deltaserve.serve.protocol import (
@@ -26,8 +30,10 @@ from deltaserve.serve.protocol import (
     UsageInfo,
     random_id,
 )
-from deltaserve.serve.reasoning import StreamingReasoningParser, split_reasoning, thinking_open
+from deltaserve.serve.reasoning import THINK_END, StreamingReasoningParser, split_reasoning, thinking_open
 from deltaserve.serve.streaming import DONE, ChoiceCursor, sse, sse_error
+from deltaserve.serve.structured import check_compiles, structured_from_request
+from deltaserve.serve.tool_parsers import StreamingToolParser, extract_tool_calls
 
 
 @dataclass(slots=True)
@@ -37,15 +43,31 @@ class PreparedChat:
     prompt_token_ids: list[int]
     params: SamplingParams
     thinking: bool
+    tools: ToolPlan
 
 
-def prepare_chat(engine: AsyncEngine, req: ChatCompletionRequest) -> PreparedChat:
+def prepare_chat(
+    engine: AsyncEngine, req: ChatCompletionRequest, tool_config: ToolConfig | None = None
+) -> PreparedChat:
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tool_config or ToolConfig(),
+                       engine.tokenizer)
+    structured, field = structured_from_request(req.response_format, req.structured_outputs, req.model_extra)
+    if structured is not None and tools.structured is not None:
+        raise APIError(400, f"tool_choice {tools.choice!r} cannot be combined with {field}", param=field)
+    if tools.structured is not None:
+        structured, field = tools.structured, "tools"
     prompt = render_chat_prompt(
-        engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs
+        engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools
     )
+    thinking = thinking_open(prompt)
     ids = engine.tokenizer.encode(prompt)
     params = to_sampling_params(req, len(ids), engine.max_model_len)
-    return PreparedChat(random_id("chatcmpl"), prompt, ids, params, thinking_open(prompt))
+    if structured is not None:
+        if thinking:  # the reasoning stays free; the constraint starts after it
+            structured = dataclasses.replace(structured, reasoning_end=THINK_END)
+        check_compiles(engine, structured, field)
+        params.structured_outputs = structured
+    return PreparedChat(random_id("chatcmpl"), prompt, ids, params, thinking, tools)
 
 
 def _usage(out: RequestOutput) -> UsageInfo:
@@ -64,17 +86,24 @@ def chat_response(
     choices = []
     for c in out.outputs:
         reasoning, content = split_reasoning(c.text, prep.thinking)
-        if prep.thinking and not content:
-            content = None  # still thinking when it stopped: there is no answer yet
+        tool_calls: list[dict] = []
+        finish_reason = c.finish_reason
+        if prep.tools.parser is not None:
+            content, calls = extract_tool_calls(prep.tools.parser, prep.tools.schemas, content, prep.tools.parallel)
+            tool_calls = [call.to_openai() for call in calls]
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        if (prep.thinking or tool_calls) and not content:
+            content = None  # still thinking when it stopped, or only calls: there is no answer text
         logprobs = None
         if req.logprobs and c.logprobs is not None:
             logprobs = chat_logprobs(engine.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0)
         choices.append(
             ChatCompletionChoice(
                 index=c.index,
-                message=ChatResponseMessage(content=content, reasoning_content=reasoning),
+                message=ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=tool_calls),
                 logprobs=logprobs,
-                finish_reason=c.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=c.stop_reason,
             )
         )
@@ -88,6 +117,11 @@ async def chat_stream(
     n = prep.params.n
     cursors = [ChoiceCursor(stop_holdback(prep.params)) for _ in range(n)]
     parsers = [StreamingReasoningParser(prep.thinking) for _ in range(n)]
+    plan = prep.tools
+    tool_parsers = [
+        StreamingToolParser(plan.parser, plan.schemas, plan.parallel) if plan.parser is not None else None
+        for _ in range(n)
+    ]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
@@ -116,7 +150,17 @@ async def chat_stream(
                 d = cursors[c.index].advance(c)
                 if d is None:
                     continue
-                split = parsers[c.index].feed(d.text, final=d.finish_reason is not None)
+                final = d.finish_reason is not None
+                split = parsers[c.index].feed(d.text, final=final)
+                tp = tool_parsers[c.index]
+                finish_reason = d.finish_reason
+                if tp is not None:
+                    found = tp.feed(split.content, final=final)
+                    split.content = found.content
+                    for call_delta in found.tool_calls:  # each call: its header, then argument fragments
+                        yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(tool_calls=[call_delta]))])
+                    if tp.calls and finish_reason == "stop":
+                        finish_reason = "tool_calls"
                 if not (
                     split.reasoning or split.content or d.finish_reason or (req.logprobs and d.token_ids)
                 ):
@@ -130,7 +174,7 @@ async def chat_stream(
                 if req.logprobs and d.logprobs:
                     logprobs = chat_logprobs(engine.tokenizer, d.token_ids, d.logprobs, req.top_logprobs or 0)
                 choice = ChatStreamChoice(
-                    index=c.index, delta=delta, logprobs=logprobs, finish_reason=d.finish_reason
+                    index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
                 )
                 if d.finish_reason is not None:
                     choice.stop_reason = c.stop_reason

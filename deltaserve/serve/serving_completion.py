@@ -25,6 +25,7 @@ from deltaserve.serve.protocol import (
     random_id,
 )
 from deltaserve.serve.streaming import DONE, ChoiceCursor, merge_streams, sse, sse_error
+from deltaserve.serve.structured import check_compiles, structured_from_request
 
 
 @dataclass(slots=True)
@@ -49,6 +50,9 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
 def prepare_completion(engine: AsyncEngine, req: CompletionRequest) -> tuple[str, list[PreparedPrompt]]:
     """(response id, one prepared engine request per prompt)."""
     base = random_id("cmpl")
+    structured, field = structured_from_request(req.response_format, req.structured_outputs, req.model_extra)
+    if structured is not None:
+        check_compiles(engine, structured, field)
     prepared = []
     for i, prompt in enumerate(_prompts(req)):
         if isinstance(prompt, str):
@@ -60,6 +64,7 @@ def prepare_completion(engine: AsyncEngine, req: CompletionRequest) -> tuple[str
         if not ids:
             raise APIError(400, f"prompt {i} is empty; it needs at least one token", param="prompt")
         params = to_sampling_params(req, len(ids), engine.max_model_len)
+        params.structured_outputs = structured
         prepared.append(PreparedPrompt(f"{base}-{i}", text, ids, params))
     return base, prepared
 

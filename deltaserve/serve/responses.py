@@ -1,0 +1,407 @@
+"""POST /v1/responses (OpenAI's Responses API) on top of the chat path: the input items become chat
+messages (instructions first, as a system message; function_call / function_call_output items as an
+assistant tool call and a tool message; reasoning items as the next assistant turn's reasoning), the chat
+template renders them, and the answer comes back as output items: reasoning, message (output_text) and
+function_call, whole or as the API's streaming events.
+
+previous_response_id continues a stored response: the server keeps the conversations of its last
+MAX_STORED_RESPONSES responses (store=true, the default) in memory, oldest dropped first, and nothing
+across restarts; an id it no longer has is a 400 saying so. As OpenAI does, a new request's instructions
+replace the stored ones.
+
+What is not supported is refused with a 400 naming it: built-in tools (web search, files, ...),
+background, conversation, prompt templates, include. reasoning.effort "none" turns thinking off, any
+other effort leaves it on (the template has no effort levels)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from deltaserve.engine.async_engine import AsyncEngine, RequestStream
+from deltaserve.engine.detokenizer import stop_holdback
+from deltaserve.outputs import RequestOutput
+from deltaserve.serve.chat_tools import ToolConfig
+from deltaserve.serve.errors import APIError
+from deltaserve.serve.protocol import ChatCompletionRequest
+from deltaserve.serve.reasoning import StreamingReasoningParser
+from deltaserve.serve.serving_chat import PreparedChat, prepare_chat
+from deltaserve.serve.streaming import ChoiceCursor, sse_error
+from deltaserve.serve.tool_parsers import StreamingToolParser, ToolCall, argument_fragments
+
+MAX_STORED_RESPONSES = 512
+_UNSUPPORTED = ("background", "conversation", "prompt", "include", "max_tool_calls")
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    truncation: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class ResponseStore:
+    """The last MAX_STORED_RESPONSES conversations, by response id (messages in chat form)."""
+
+    limit: int = MAX_STORED_RESPONSES
+    _items: OrderedDict[str, list[dict[str, Any]]] = field(default_factory=OrderedDict)
+
+    def put(self, response_id: str, messages: list[dict[str, Any]]) -> None:
+        self._items[response_id] = messages
+        while len(self._items) > self.limit:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> list[dict[str, Any]]:
+        if response_id not in self._items:
+            raise APIError(
+                400, f"Previous response with id {response_id!r} not found (this server keeps its last "
+                f"{self.limit} stored responses in memory)", param="previous_response_id",
+            )
+        self._items.move_to_end(response_id)
+        return list(self._items[response_id])
+
+
+@dataclass(slots=True)
+class PreparedResponse:
+    response_id: str
+    body: ResponsesRequest
+    chat: PreparedChat
+    messages: list[dict[str, Any]]  # the conversation so far, without instructions (what is stored)
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+
+def _text_of(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"{where}: only text content is supported, got {kind!r}", param="input")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses input items -> chat messages."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    reasoning: str | None = None
+
+    def assistant() -> dict[str, Any]:
+        # Calls and reasoning join the assistant turn right before them, or open one.
+        nonlocal reasoning
+        if not messages or messages[-1]["role"] != "assistant":
+            messages.append({"role": "assistant", "content": ""})
+        if reasoning is not None:
+            messages[-1]["reasoning_content"] = reasoning
+            reasoning = None
+        return messages[-1]
+
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        where = f"input[{i}]"
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise APIError(400, f"{where}.role must be user, system, developer or assistant, got {role!r}",
+                               param="input")
+            text = _text_of(item.get("content"), where)
+            if role == "assistant":
+                m = assistant()
+                m["content"] += text
+            else:
+                messages.append({"role": role, "content": text})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+        elif kind == "function_call":
+            m = assistant()
+            m.setdefault("tool_calls", []).append({
+                "id": item.get("call_id"), "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
+            })
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else json.dumps(output)})
+        else:
+            raise APIError(400, f"{where}.type {kind!r} is not supported", param="input")
+    return messages
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if t.get("type") != "function":
+            raise APIError(400, f"tools[{i}]: only function tools are supported, got {t.get('type')!r}",
+                           param="tools")
+        fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if not fmt or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":  # flat in the Responses API, nested in chat's
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    return fmt
+
+
+def prepare_response(engine: AsyncEngine, body: ResponsesRequest, tool_config: ToolConfig,
+                     store: ResponseStore) -> PreparedResponse:
+    extra = body.model_extra or {}
+    for name in _UNSUPPORTED:
+        if extra.get(name) is not None:
+            raise APIError(400, f"{name} is not supported by this server", param=name)
+    if body.truncation not in (None, "disabled"):
+        raise APIError(400, "truncation must be 'disabled' (the server does not drop input)", param="truncation")
+    messages = store.get(body.previous_response_id) if body.previous_response_id else []
+    messages += input_messages(body.input)
+    kwargs = dict(body.chat_template_kwargs or {})
+    effort = (body.reasoning or {}).get("effort")
+    if effort == "none":
+        kwargs.setdefault("enable_thinking", False)
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    sampling = {k: extra[k] for k in ("seed", "top_k", "min_p", "repetition_penalty", "stop") if k in extra}
+    chat = ChatCompletionRequest(
+        model=body.model, messages=system + messages, max_tokens=body.max_output_tokens,
+        temperature=body.temperature, top_p=body.top_p, tools=_chat_tools(body.tools),
+        tool_choice=_chat_tool_choice(body.tool_choice), parallel_tool_calls=body.parallel_tool_calls,
+        response_format=_response_format(body.text), chat_template_kwargs=kwargs or None, **sampling,
+    )
+    prep = prepare_chat(engine, chat, tool_config)
+    return PreparedResponse(f"resp_{uuid.uuid4().hex}", body, prep, messages)
+
+
+# ---- output ---------------------------------------------------------------------------------------------
+def _reasoning_item(text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+
+
+def _message_item(text: str, item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": "completed",
+            "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(call: ToolCall, item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id or f"fc_{uuid.uuid4().hex}", "call_id": call.id,
+            "name": call.name, "arguments": call.arguments_json, "status": "completed"}
+
+
+def _response(prep: PreparedResponse, model: str, output: list[dict[str, Any]], status: str,
+              out: RequestOutput | None) -> dict[str, Any]:
+    b = prep.body
+    prompt = len(out.prompt_token_ids) if out is not None else 0
+    completion = len(out.outputs[0].token_ids) if out is not None else 0
+    return {
+        "id": prep.response_id, "object": "response", "created_at": prep.created_at, "model": model,
+        "status": status, "output": output, "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": b.instructions, "metadata": b.metadata or {}, "parallel_tool_calls": b.parallel_tool_calls,
+        "temperature": b.temperature, "top_p": b.top_p, "max_output_tokens": b.max_output_tokens,
+        "previous_response_id": b.previous_response_id, "tool_choice": b.tool_choice or "auto",
+        "tools": b.tools or [], "text": b.text or {"format": {"type": "text"}}, "store": b.store,
+        "reasoning": b.reasoning, "truncation": "disabled", "user": b.user,
+        "usage": None if out is None else {
+            "input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
+            "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0},
+        },
+    }
+
+
+def _remember(prep: PreparedResponse, store: ResponseStore, reasoning: str, content: str,
+              calls: list[ToolCall]) -> None:
+    if not prep.body.store:
+        return
+    turn: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning:
+        turn["reasoning_content"] = reasoning
+    if calls:
+        turn["tool_calls"] = [c.to_openai() for c in calls]
+    store.put(prep.response_id, [*prep.messages, turn])
+
+
+@dataclass(slots=True)
+class _Splitter:
+    """reasoning / content / calls of the one output, as it streams (the chat endpoint's parsers)."""
+
+    prep: PreparedResponse
+    reasoning_parser: StreamingReasoningParser = field(init=False)
+    tools: StreamingToolParser | None = field(init=False)
+    reasoning: str = ""
+    content: str = ""
+
+    def __post_init__(self) -> None:
+        plan = self.prep.chat.tools
+        self.reasoning_parser = StreamingReasoningParser(self.prep.chat.thinking)
+        self.tools = StreamingToolParser(plan.parser, plan.schemas, plan.parallel) if plan.parser else None
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
+        """(reasoning delta, content delta, calls completed by this delta)."""
+        split = self.reasoning_parser.feed(text, final=final)
+        content, calls = split.content, []
+        if self.tools is not None:
+            before = len(self.tools.calls)
+            content = self.tools.feed(content, final=final).content
+            calls = self.tools.calls[before:]
+        self.reasoning += split.reasoning
+        self.content += content
+        return split.reasoning, content, calls
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.tools.calls if self.tools is not None else []
+
+
+def response_object(prep: PreparedResponse, out: RequestOutput, model: str, store: ResponseStore) -> dict[str, Any]:
+    s = _Splitter(prep)
+    s.feed(out.outputs[0].text, final=True)
+    output = []
+    if s.reasoning:
+        output.append(_reasoning_item(s.reasoning))
+    if s.content:
+        output.append(_message_item(s.content))
+    output += [_call_item(c) for c in s.calls]
+    _remember(prep, store, s.reasoning, s.content, s.calls)
+    status = "incomplete" if out.outputs[0].finish_reason == "length" else "completed"
+    return _response(prep, model, output, status, out)
+
+
+async def response_stream(engine: AsyncEngine, prep: PreparedResponse, stream: RequestStream, model: str,
+                          store: ResponseStore) -> AsyncIterator[str]:
+    """The Responses API's server-sent events: created, in_progress, then per output item added /
+    deltas / done, then completed (with the whole response, equal to the non-streamed one)."""
+    seq = 0
+
+    def event(kind: str, **data: Any) -> str:
+        nonlocal seq
+        seq += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data})}\n\n"
+
+    s = _Splitter(prep)
+    cursor = ChoiceCursor(stop_holdback(prep.chat.params))
+    output: list[dict[str, Any]] = []
+    open_item: dict[str, Any] | None = None  # the reasoning or message item being streamed
+
+    def close() -> list[str]:
+        nonlocal open_item
+        if open_item is None:
+            return []
+        item, open_item = open_item, None
+        i = output.index(item)
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            return [event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
+                          text=text), event("response.output_item.done", output_index=i, item=item)]
+        part = item["content"][0]
+        item["status"] = "completed"
+        return [
+            event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
+                  text=part["text"], logprobs=[]),
+            event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0, part=part),
+            event("response.output_item.done", output_index=i, item=item),
+        ]
+
+    def text_delta(kind: str, delta: str) -> list[str]:
+        nonlocal open_item
+        events: list[str] = []
+        if open_item is None or open_item["type"] != kind:
+            events += close()
+            if kind == "reasoning":
+                open_item = {**_reasoning_item(""), "status": "in_progress"}
+                output.append(open_item)
+                events.append(event("response.output_item.added", output_index=len(output) - 1,
+                                    item={**open_item, "content": []}))
+            else:
+                open_item = {**_message_item(""), "status": "in_progress"}
+                output.append(open_item)
+                i = len(output) - 1
+                events.append(event("response.output_item.added", output_index=i, item={**open_item, "content": []}))
+                events.append(event("response.content_part.added", item_id=open_item["id"], output_index=i,
+                                    content_index=0, part=open_item["content"][0]))
+        i = output.index(open_item)
+        open_item["content"][0]["text"] += delta
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        events.append(event(name, item_id=open_item["id"], output_index=i, content_index=0, delta=delta, **extra))
+        return events
+
+    try:
+        yield event("response.created", response=_response(prep, model, [], "in_progress", None))
+        yield event("response.in_progress", response=_response(prep, model, [], "in_progress", None))
+        last: RequestOutput | None = None
+        async for out in stream:
+            last = out
+            d = cursor.advance(out.outputs[0])
+            if d is None:
+                continue
+            reasoning, content, calls = s.feed(d.text, final=d.finish_reason is not None)
+            for kind, delta in (("reasoning", reasoning), ("message", content)):
+                if delta:
+                    for e in text_delta(kind, delta):
+                        yield e
+            for call in calls:
+                for e in close():
+                    yield e
+                item = {**_call_item(call), "arguments": "", "status": "in_progress"}
+                output.append(item)
+                i = len(output) - 1
+                yield event("response.output_item.added", output_index=i, item=dict(item))
+                for piece in argument_fragments(call.arguments):
+                    item["arguments"] += piece
+                    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
+                                delta=piece)
+                item["status"] = "completed"
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                            arguments=item["arguments"])
+                yield event("response.output_item.done", output_index=i, item=item)
+        for e in close():
+            yield e
+        assert last is not None
+        _remember(prep, store, s.reasoning, s.content, s.calls)
+        status = "incomplete" if last.outputs[0].finish_reason == "length" else "completed"
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        yield event(kind, response=_response(prep, model, output, status, last))
+    except Exception as e:  # headers are sent: report in-band
+        yield sse_error(e)
+    finally:
+        if not stream.finished:
+            engine.abort(prep.chat.request_id)
+
