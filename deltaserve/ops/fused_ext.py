@@ -1,5 +1,5 @@
-"""Builds and loads the fused step's C++ source (csrc/fused_step.cpp) with the system C++ compiler, once per
-machine and source version (about 30 s), cached by torch under ~/.cache/torch_extensions."""
+"""Builds and loads the fused step's C++ sources (every csrc/*.cpp, one translation unit each) with the system
+C++ compiler, once per machine and source version (about 30 s), cached by torch under ~/.cache/torch_extensions."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "fused_step.cpp"
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 
 _lock = threading.Lock()
 _module = None
@@ -49,9 +49,9 @@ def load_extension():
                 # ran on one thread whatever torch.set_num_threads said. The process keeps one OpenMP
                 # runtime: torch's own libgomp.so.1 is already loaded under that name.
                 _module = load(
-                    name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    name=name, sources=[str(s) for s in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False,
                 )
             except Exception as e:  # compiler missing or failing: say so, the caller falls back
-                raise FusedBuildError(f"could not build the fused step from {SOURCE.name}: {e}") from e
+                raise FusedBuildError(f"could not build the fused step from csrc/*.cpp: {e}") from e
         return _module
