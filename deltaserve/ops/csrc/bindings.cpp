@@ -9,7 +9,11 @@ using namespace deltaserve;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<FusedStack>(m, "FusedStack")
-      .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, double, bool>())
+      .def(pybind11::init<std::map<std::string, int64_t>, double, std::map<std::string, at::Tensor>,
+                          const std::vector<std::string>&, std::vector<std::map<std::string, at::Tensor>>, bool>(),
+           pybind11::arg("dims"), pybind11::arg("eps"), pybind11::arg("head"), pybind11::arg("layer_types"),
+           pybind11::arg("layers"), pybind11::arg("mtp"))
+      .def("named_tensors", &FusedStack::named_tensors)
       .def("forward", &FusedStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("logits", &FusedStack::logits, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("greedy_tokens", &FusedStack::greedy_tokens, pybind11::call_guard<pybind11::gil_scoped_release>())

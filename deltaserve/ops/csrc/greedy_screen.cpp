@@ -14,18 +14,28 @@
 namespace deltaserve {
 
 #if defined(__AVX512BF16__)
-GreedyScreen make_greedy_screen(const at::Tensor& w) {
+GreedyScreen make_greedy_screen(const Linear& lm) {
   GreedyScreen s;
-  const at::Tensor norms = w.to(at::kDouble).square().sum(1).sqrt() * (1.0 + 1e-6);  // up, past fp32 rounding
-  if (!at::isfinite(w).all().item<bool>() || !(norms.max().item<double>() < 1e30)) return s;
-  const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel, K2 = (K + 1) / 2;
-  at::Tensor padded = at::zeros({P * kPanel, 2 * K2}, w.options().dtype(at::kBFloat16));
-  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+  std::vector<at::Tensor> part_norms;
+  for (const at::Tensor& w : lm.parts) {
+    if (!at::isfinite(w).all().item<bool>()) return s;
+    part_norms.push_back(w.to(at::kDouble).square().sum(1).sqrt() * (1.0 + 1e-6));  // up, past fp32 rounding
+  }
+  const at::Tensor norms = at::cat(part_norms);
+  if (!(norms.max().item<double>() < 1e30)) return s;
+  const int64_t N = lm.N, K = lm.K, P = (N + kPanel - 1) / kPanel, K2 = (K + 1) / 2;
+  const at::TensorOptions fp32 = lm.parts[0].options();
+  at::Tensor padded = at::zeros({P * kPanel, 2 * K2}, fp32.dtype(at::kBFloat16));
+  int64_t row = 0;
+  for (const at::Tensor& w : lm.parts) {
+    padded.narrow(0, row, w.size(0)).narrow(1, 0, K).copy_(w);
+    row += w.size(0);
+  }
   s.pairs = padded.view({P, kPanel, K2, 2}).permute({0, 2, 1, 3}).contiguous();
   s.max_norm = norms.max().item<double>();
-  s.norms = at::zeros({P * kPanel}, w.options());
+  s.norms = at::zeros({P * kPanel}, fp32);
   s.norms.narrow(0, 0, N).copy_(norms);
-  s.bias = at::full({P * kPanel}, -INFINITY, w.options());
+  s.bias = at::full({P * kPanel}, -INFINITY, fp32);
   s.bias.narrow(0, 0, N).zero_();
   return s;
 }
@@ -64,7 +74,7 @@ void screen_rows(const uint32_t* x, int64_t K2, const uint16_t* panel, const flo
 // Fills argmax [T]. Rows that are not finite, or whose logits could come near overflow, are outside the
 // screen's range: all their panels go through the fp32 kernel, the plain path.
 void screened_greedy(const at::Tensor& h, const GreedyScreen& s, const Linear& lm, int64_t* argmax) {
-  const int64_t T = h.size(0), K = h.size(1), N = lm.w.size(0), P = s.pairs.size(0), K2 = s.pairs.size(1);
+  const int64_t T = h.size(0), K = h.size(1), N = lm.N, P = s.pairs.size(0), K2 = s.pairs.size(1);
   const float* hp = h.data_ptr<float>();
   std::vector<uint32_t> pairs(T * K2, 0);  // each row rounded to bf16 (subnormals flushed, as vdpbf16ps does)
   std::vector<float> scale(T, 0.0f), slack(T, 0.0f);
@@ -134,7 +144,7 @@ void screened_greedy(const at::Tensor& h, const GreedyScreen& s, const Linear& l
   });
 }
 #else
-GreedyScreen make_greedy_screen(const at::Tensor&) { return {}; }
+GreedyScreen make_greedy_screen(const Linear&) { return {}; }
 bool ready(const GreedyScreen&) { return false; }
 void screened_greedy(const at::Tensor&, const GreedyScreen&, const Linear&, int64_t*) {}
 #endif

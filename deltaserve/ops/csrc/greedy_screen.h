@@ -40,9 +40,10 @@ constexpr int64_t kMinScreenedRows = 0;
 struct GreedyScreen {};
 #endif
 
-// The screen of an lm_head whose values are all bf16 numbers, or an empty one when a weight is not finite
-// or a row's norm is so large that the bounds could overflow (always empty without AVX512-BF16).
-GreedyScreen make_greedy_screen(const at::Tensor& w);
+// The screen of an lm_head whose values are all bf16 numbers (it has panels), or an empty one when a weight
+// is not finite or a row's norm is so large that the bounds could overflow (always empty without
+// AVX512-BF16). Built from the lm_head's parts: no fp32 copy of the weight.
+GreedyScreen make_greedy_screen(const Linear& lm);
 bool ready(const GreedyScreen& s);
 
 // Fills argmax [T] with each row's torch.argmax of h @ lm^T (see above; needs ready(s)).

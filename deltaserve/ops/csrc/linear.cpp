@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "parallel.h"
@@ -56,12 +57,30 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
   return y;
 }
 
+Linear make_linear(std::vector<at::Tensor> parts, at::Tensor panels) {
+  Linear l;
+  for (const at::Tensor& p : parts) l.N += p.size(0);
+  l.K = parts.at(0).size(1);
+  l.parts = std::move(parts);
+  l.panels = std::move(panels);
+  return l;
+}
+
 // The panel kernel where the weight has panels: on the 60M benchmark model's shapes it runs at 53-57
 // GMAC/s from 64 rows up, against MKL's 26-49 (one AVX-512 core, benchmarks-style measurement through
-// the exported linear_panels); otherwise MKL.
+// the exported linear_panels); otherwise MKL, one GEMM per part into its columns of y (a GEMM writes a
+// column block of y in place, its row stride being N).
 at::Tensor apply(const Linear& l, const at::Tensor& x) {
-  if (l.panels.defined()) return linear_panels(x, l.panels, l.w.size(0));
-  return at::linear(x, l.w);
+  if (l.panels.defined()) return linear_panels(x, l.panels, l.N);
+  if (l.parts.size() == 1) return at::linear(x, l.parts[0]);
+  at::Tensor y = at::empty({x.size(0), l.N}, x.options());
+  int64_t column = 0;
+  for (const at::Tensor& p : l.parts) {
+    at::Tensor block = y.narrow(1, column, p.size(0));
+    at::mm_out(block, x, p.t());
+    column += p.size(0);
+  }
+  return y;
 }
 
 }  // namespace deltaserve

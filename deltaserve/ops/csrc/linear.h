@@ -7,22 +7,33 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "simd.h"
 
 namespace deltaserve {
 
-// A projection's weight [N, K] in fp32, and, when every value is exactly a bfloat16 (a bf16 checkpoint
-// computed in fp32), the same values as bf16 panels [ceil(N/64), K, 64] (rows padded with zeros): half the
-// bytes to stream, laid out so that a panel of 64 outputs is read front to back. Within a panel row the
-// outputs are interleaved (deltaserve/executor/fused_cpu/stack.py, _linear): output 32h + i at word 32h + 2i and output
-// 32h + 16 + i at word 32h + 2i + 1, so that, read as 32-bit lanes, the low words are 16 consecutive outputs
-// and the high words the next 16. bf16 is the top half of an fp32: the low words shifted up by 16 bits and
-// the lanes with their low 16 bits cleared are the weights in fp32, exactly, two cheap ops for 32 weights.
+// A projection y = x @ w^T whose weight w [N, K] is given as its row blocks, the model's own fp32 weights
+// (read where they are: the fused step keeps no fp32 copy of them; gate_proj | up_proj, for instance), and,
+// when every value is exactly a bfloat16 (a bf16 checkpoint computed in fp32), the same values as bf16
+// panels [ceil(N/64), K, 64] of all the rows (padded with zeros): half the bytes to stream, laid out so that
+// a panel of 64 outputs is read front to back. Within a panel row the outputs are interleaved
+// (deltaserve/executor/fused_cpu/stack.py, _linear): output 32h + i at word 32h + 2i and output 32h + 16 + i
+// at word 32h + 2i + 1, so that, read as 32-bit lanes, the low words are 16 consecutive outputs and the high
+// words the next 16. bf16 is the top half of an fp32: the low words shifted up by 16 bits and the lanes
+// with their low 16 bits cleared are the weights in fp32, exactly, two cheap ops for 32 weights.
 constexpr int64_t kPanel = 64;
 struct Linear {
-  at::Tensor w, panels;
+  std::vector<at::Tensor> parts;  // fp32 [N_i, K], in output order: N = sum N_i
+  at::Tensor panels;              // bf16 [ceil(N/64), K, 64], or undefined
+  int64_t N = 0, K = 0;
+
+  bool defined() const { return N > 0; }
 };
+
+// The Linear of these parts (contiguous fp32 [N_i, K] each) and panels (undefined, or bf16 panels of all
+// their rows); the caller has checked the shapes.
+Linear make_linear(std::vector<at::Tensor> parts, at::Tensor panels);
 
 // The 64 weights of panel row k in fp32, in output order (the portable path; AVX-512 does it in registers).
 inline void panel_row_to_float(const uint16_t* row, float* w) {
@@ -110,7 +121,7 @@ constexpr int64_t kStreamBytes = 2 << 20;
 // row's torch.argmax -- greedy sampling without writing (and reading back) T x vocab logits.
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N, int64_t* argmax = nullptr);
 
-// y = x @ w^T through the panels where the weight has them, else MKL (see linear.cpp).
+// y [T, N] = x [T, K] @ w^T through the panels where the weight has them, else MKL (see linear.cpp).
 at::Tensor apply(const Linear& l, const at::Tensor& x);
 
 }  // namespace deltaserve

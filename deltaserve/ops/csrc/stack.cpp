@@ -1,6 +1,8 @@
 #include "stack.h"
 
 #include <cstring>
+#include <map>
+#include <string>
 #include <utility>
 
 #include "norms.h"
@@ -9,78 +11,175 @@
 
 namespace deltaserve {
 
-FusedStack::FusedStack(std::vector<at::Tensor> tensors, std::vector<int64_t> layer_is_gdn, std::vector<int64_t> dims,
-                       double eps, bool mtp)
-    : d_{dims.at(0), dims.at(1), dims.at(2), dims.at(3), dims.at(4), dims.at(5), dims.at(6), dims.at(7),
-         dims.at(8), dims.at(9), dims.at(10), dims.at(11), static_cast<float>(eps)} {
-  keep_step_memory_on_the_heap();
-  size_t i = 0;
-  auto next = [&]() {
-    TORCH_CHECK(i < tensors.size(), "FusedStack: too few tensors");
-    at::Tensor t = tensors[i++];
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "FusedStack: tensor ", i - 1,
-                " must be contiguous float32");
+namespace {
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    out += (i ? ", " : "") + (shape[i] < 0 ? std::string("*") : std::to_string(shape[i]));
+  }
+  return out + "]";
+}
+
+// One stack's or one layer's tensors by name, each taken with the dtype and exact shape it must have (-1:
+// any size, for the caches' slot and block counts). Errors name the tensor, "layer 3 linear_attn.in_proj_z
+// .weight: expected [64, 48] got [8, 48]"; a name left over at the end (misspelt, or not this layer's) is
+// an error too. What is taken is also recorded in `held` (FusedStack::named_tensors).
+class NamedTensors {
+ public:
+  NamedTensors(std::map<std::string, at::Tensor> tensors, std::string where,
+               std::vector<std::pair<std::string, at::Tensor>>& held)
+      : tensors_(std::move(tensors)), where_(std::move(where)), held_(held) {}
+
+  at::Tensor take(const std::string& name, const std::vector<int64_t>& shape, at::ScalarType dtype = at::kFloat) {
+    auto it = tensors_.find(name);
+    TORCH_CHECK(it != tensors_.end(), "FusedStack: ", where_, "missing tensor ", name, " ", shape_text(shape));
+    at::Tensor t = it->second;
+    tensors_.erase(it);
+    bool same = t.dim() == static_cast<int64_t>(shape.size());
+    for (int64_t i = 0; same && i < t.dim(); ++i) same = shape[i] < 0 || t.size(i) == shape[i];
+    TORCH_CHECK(same, "FusedStack: ", where_, name, ": expected ", shape_text(shape), " got ", t.sizes());
+    TORCH_CHECK(t.scalar_type() == dtype, "FusedStack: ", where_, name, ": expected ", dtype, " got ",
+                t.scalar_type());
+    TORCH_CHECK(t.is_contiguous(), "FusedStack: ", where_, name, " must be contiguous");
+    held_.emplace_back(where_ + name, t);
     return t;
-  };
-  // a projection: its fp32 weight, then its bf16 panels or an empty tensor when the values are not bf16
-  auto linear = [&]() {
-    at::Tensor w = next();
-    TORCH_CHECK(i < tensors.size(), "FusedStack: too few tensors");
-    at::Tensor panels = tensors[i++];
-    if (panels.numel() == 0) return Linear{w, at::Tensor()};
-    TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() && panels.dim() == 3 &&
-                    panels.size(0) * kPanel >= w.size(0) && panels.size(1) == w.size(1) &&
-                    panels.size(2) == kPanel,
-                "FusedStack: tensor ", i - 1, " must be the bf16 panels of the weight before it");
-    return Linear{w, panels};
-  };
-  embed_ = next();
-  final_scale_ = next();
-  inv_freq_ = next();
-  lm_head_ = linear();
-  if (lm_head_.panels.defined()) greedy_screen_ = make_greedy_screen(lm_head_.w);
-  if (mtp) {
-    fc_ = linear();
-    pre_embed_scale_ = next();
-    pre_hidden_scale_ = next();
   }
-  for (int64_t is_gdn : layer_is_gdn) {
-    Layer l;
-    l.gdn = is_gdn != 0;
-    l.in_scale = next();
-    l.post_scale = next();
-    l.gate_up_w = linear();
-    l.down_w = linear();
-    if (l.gdn) {
-      l.g.in_w = linear();
-      l.g.t.conv_w = next();
-      l.g.t.neg_a = next();
-      l.g.t.dt_bias = next();
-      l.g.t.norm_w = next();
-      l.g.out_w = linear();
-      l.g.t.conv_cache = next();
-      l.g.t.ssm_cache = next();
-    } else {
-      l.a.qkv_w = linear();
-      const int64_t q_width = 2 * d_.nh * d_.hd;
-      if (l.a.qkv_w.panels.defined() && q_width % kPanel == 0) {
-        const at::Tensor& w = l.a.qkv_w.w;
-        const at::Tensor& panels = l.a.qkv_w.panels;
-        l.a.kv_w = {w.narrow(0, q_width, w.size(0) - q_width),
-                    panels.narrow(0, q_width / kPanel, panels.size(0) - q_width / kPanel)};
-      }
-      l.a.q_scale = next();
-      l.a.k_scale = next();
-      l.a.o_w = linear();
-      l.a.k_cache = next();
-      l.a.v_cache = next();
+
+  // A projection of these row blocks (name, rows) of K inputs each, with its bf16 panels when
+  // `panels_name` is there.
+  Linear projection(const std::vector<std::pair<std::string, int64_t>>& parts, int64_t K,
+                    const std::string& panels_name) {
+    std::vector<at::Tensor> weights;
+    int64_t N = 0;
+    for (const auto& [name, rows] : parts) {
+      weights.push_back(take(name, {rows, K}));
+      N += rows;
     }
-    layers_.push_back(std::move(l));
+    at::Tensor panels;
+    if (tensors_.count(panels_name) != 0) panels = take(panels_name, {(N + kPanel - 1) / kPanel, K, kPanel}, at::kBFloat16);
+    return make_linear(std::move(weights), panels);
   }
-  TORCH_CHECK(i == tensors.size(), "FusedStack: ", tensors.size() - i, " tensors left over");
-  for (const Layer& l : layers_) {  // cache sizes, for check_batch (-1: no such layer in this stack)
-    if (l.gdn) num_slots_ = l.g.t.conv_cache.size(0);
-    else num_blocks_ = l.a.v_cache.size(0), block_size_ = l.a.v_cache.size(1);
+
+  void finish() const {
+    for (const auto& [name, t] : tensors_) TORCH_CHECK(false, "FusedStack: ", where_, "unexpected tensor ", name);
+  }
+
+ private:
+  std::map<std::string, at::Tensor> tensors_;
+  std::string where_;
+  std::vector<std::pair<std::string, at::Tensor>>& held_;
+};
+
+Dims dims_by_name(std::map<std::string, int64_t> dims, double eps) {
+  auto take = [&](const std::string& name) {
+    auto it = dims.find(name);
+    TORCH_CHECK(it != dims.end(), "FusedStack: missing dim ", name);
+    const int64_t v = it->second;
+    dims.erase(it);
+    TORCH_CHECK(v > 0, "FusedStack: dim ", name, " = ", v, " must be positive");
+    return v;
+  };
+  Dims d{};
+  d.hidden = take("hidden_size");
+  d.intermediate = take("intermediate_size");
+  d.vocab = take("vocab_size");
+  d.hk = take("linear_num_key_heads");
+  d.hv = take("linear_num_value_heads");
+  d.dk = take("linear_key_head_dim");
+  d.dv = take("linear_value_head_dim");
+  d.kernel = take("linear_conv_kernel_dim");
+  d.nh = take("num_attention_heads");
+  d.nkv = take("num_key_value_heads");
+  d.hd = take("head_dim");
+  d.rotary_dim = take("rotary_dim");
+  d.conv_dim = 2 * d.hk * d.dk + d.hv * d.dv;
+  d.eps = static_cast<float>(eps);
+  for (const auto& [name, v] : dims) TORCH_CHECK(false, "FusedStack: unexpected dim ", name);
+  TORCH_CHECK(d.hv % d.hk == 0, "FusedStack: linear_num_value_heads must be a multiple of linear_num_key_heads");
+  TORCH_CHECK(d.nh % d.nkv == 0, "FusedStack: num_attention_heads must be a multiple of num_key_value_heads");
+  TORCH_CHECK(d.rotary_dim % 2 == 0 && d.rotary_dim <= d.hd, "FusedStack: rotary_dim must be even and <= head_dim");
+  TORCH_CHECK(d.kernel >= 2, "FusedStack: linear_conv_kernel_dim must be at least 2");
+  return d;
+}
+
+}  // namespace
+
+FusedStack::FusedStack(std::map<std::string, int64_t> dims, double eps, std::map<std::string, at::Tensor> head,
+                       const std::vector<std::string>& layer_types,
+                       std::vector<std::map<std::string, at::Tensor>> layers, bool mtp)
+    : d_(dims_by_name(std::move(dims), eps)) {
+  keep_step_memory_on_the_heap();
+  TORCH_CHECK(layer_types.size() == layers.size(), "FusedStack: ", layer_types.size(), " layer types for ",
+              layers.size(), " layers");
+  const int64_t H = d_.hidden, I = d_.intermediate, V = d_.vocab;
+  NamedTensors top(std::move(head), "", held_);
+  embed_ = top.take("embed_tokens.weight", {V, H});
+  final_scale_ = top.take("norm.scale", {H});
+  inv_freq_ = top.take("rotary.inv_freq", {d_.rotary_dim / 2});
+  lm_head_ = top.projection({{"lm_head.weight", V}}, H, "lm_head.panels");
+  if (lm_head_.panels.defined()) {
+    greedy_screen_ = make_greedy_screen(lm_head_);
+    if (ready(greedy_screen_)) {
+      held_.emplace_back("lm_head.screen.pairs", greedy_screen_.pairs);
+      held_.emplace_back("lm_head.screen.norms", greedy_screen_.norms);
+      held_.emplace_back("lm_head.screen.bias", greedy_screen_.bias);
+    }
+  }
+  if (mtp) {
+    fc_ = top.projection({{"fc.weight", H}}, 2 * H, "fc.panels");
+    pre_embed_scale_ = top.take("pre_fc_norm_embedding.scale", {H});
+    pre_hidden_scale_ = top.take("pre_fc_norm_hidden.scale", {H});
+  }
+  top.finish();
+  const int64_t value_dim = d_.hv * d_.dv, q_width = 2 * d_.nh * d_.hd, kv_rows = d_.nkv * d_.hd;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    TORCH_CHECK(layer_types[i] == "linear_attention" || layer_types[i] == "full_attention", "FusedStack: layer ",
+                i, " has type ", layer_types[i], ", not linear_attention or full_attention");
+    NamedTensors w(std::move(layers[i]), "layer " + std::to_string(i) + " ", held_);
+    Layer l;
+    l.gdn = layer_types[i] == "linear_attention";
+    l.in_scale = w.take("input_layernorm.scale", {H});
+    l.post_scale = w.take("post_attention_layernorm.scale", {H});
+    l.gate_up_w = w.projection({{"mlp.gate_proj.weight", I}, {"mlp.up_proj.weight", I}}, H, "mlp.gate_up_proj.panels");
+    l.down_w = w.projection({{"mlp.down_proj.weight", H}}, I, "mlp.down_proj.panels");
+    if (l.gdn) {
+      l.g.in_w = w.projection({{"linear_attn.in_proj_qkv.weight", d_.conv_dim},
+                               {"linear_attn.in_proj_z.weight", value_dim},
+                               {"linear_attn.in_proj_b.weight", d_.hv},
+                               {"linear_attn.in_proj_a.weight", d_.hv}},
+                              H, "linear_attn.in_proj.panels");
+      l.g.t.conv_w = w.take("linear_attn.conv1d.weight", {d_.conv_dim, d_.kernel});
+      l.g.t.neg_a = w.take("linear_attn.neg_a", {d_.hv});
+      l.g.t.dt_bias = w.take("linear_attn.dt_bias", {d_.hv});
+      l.g.t.norm_w = w.take("linear_attn.norm.weight", {d_.dv});
+      l.g.out_w = w.projection({{"linear_attn.out_proj.weight", H}}, value_dim, "linear_attn.out_proj.panels");
+      l.g.t.conv_cache = w.take("conv_cache", {num_slots_, d_.conv_dim, d_.kernel - 1});
+      l.g.t.ssm_cache = w.take("ssm_cache", {num_slots_, d_.hv, d_.dk, d_.dv});
+      num_slots_ = l.g.t.conv_cache.size(0);  // every GDN layer's caches have this many slots
+    } else {
+      l.a.qkv_w = w.projection({{"self_attn.q_proj.weight", q_width},
+                                {"self_attn.k_proj.weight", kv_rows},
+                                {"self_attn.v_proj.weight", kv_rows}},
+                               H, "self_attn.qkv_proj.panels");
+      if (l.a.qkv_w.panels.defined() && q_width % kPanel == 0) {  // k | v alone: the q panels end there
+        const at::Tensor& panels = l.a.qkv_w.panels;
+        l.a.kv_w = make_linear({l.a.qkv_w.parts[1], l.a.qkv_w.parts[2]},
+                               panels.narrow(0, q_width / kPanel, panels.size(0) - q_width / kPanel));
+      }
+      l.a.q_scale = w.take("self_attn.q_norm.scale", {d_.hd});
+      l.a.k_scale = w.take("self_attn.k_norm.scale", {d_.hd});
+      l.a.o_w = w.projection({{"self_attn.o_proj.weight", H}}, d_.nh * d_.hd, "self_attn.o_proj.panels");
+      const int64_t block_size = num_blocks_ < 0 ? -1 : block_size_;  // -1 until the first attention layer's
+      l.a.k_cache = w.take("k_cache", {num_blocks_, d_.nkv, d_.hd, block_size});
+      l.a.v_cache = w.take("v_cache", {num_blocks_, block_size, d_.nkv, d_.hd});
+      TORCH_CHECK(l.a.k_cache.size(0) == l.a.v_cache.size(0) && l.a.k_cache.size(3) == l.a.v_cache.size(1),
+                  "FusedStack: layer ", i, " k_cache ", l.a.k_cache.sizes(), " and v_cache ", l.a.v_cache.sizes(),
+                  " must have the same blocks of the same size");
+      num_blocks_ = l.a.v_cache.size(0), block_size_ = l.a.v_cache.size(1);  // and every attention layer's these
+    }
+    w.finish();
+    layers_.push_back(std::move(l));
   }
 }
 
@@ -115,7 +214,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> FusedSt
 
   std::vector<at::Tensor> spec_conv, spec_ssm;
   at::Tensor x = embed_.index_select(0, input_ids);  // [T, hidden]
-  if (fc_.w.defined()) {
+  if (fc_.defined()) {
     TORCH_CHECK(hidden_in.sizes() == x.sizes() && hidden_in.scalar_type() == at::kFloat,
                 "FusedStack: the MTP head needs the trunk hidden of every token, [T, hidden] float32");
     at::Tensor both = at::cat({rms_norm_rows(x, pre_embed_scale_, d_.eps),
@@ -169,7 +268,7 @@ at::Tensor FusedStack::greedy_tokens(const at::Tensor& hidden) {
     if (greedy_screen_on() && h.size(0) >= kMinScreenedRows) {
       screened_greedy(h, greedy_screen_, lm_head_, op);
     } else {
-      linear_panels(h, lm_head_.panels, lm_head_.w.size(0), op);
+      linear_panels(h, lm_head_.panels, lm_head_.N, op);
     }
     return out;
   }
@@ -218,8 +317,8 @@ std::vector<double> FusedStack::profile() {
 }
 
 void FusedStack::check_hidden(const at::Tensor& hidden) const {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.size(1) == lm_head_.w.size(1),
-              "FusedStack: hidden rows must be float32 [R, ", lm_head_.w.size(1), "]");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.size(1) == lm_head_.K,
+              "FusedStack: hidden rows must be float32 [R, ", lm_head_.K, "]");
 }
 
 at::Tensor FusedStack::project(const Linear& l, const at::Tensor& x) {
@@ -243,7 +342,7 @@ at::Tensor FusedStack::attention(const AttnWeights& w, const at::Tensor& h, cons
   const int64_t nh = d_.nh, nkv = d_.nkv, hd = d_.hd;
   const int64_t q_width = 2 * nh * hd, width = q_width + 2 * nkv * hd;
   at::Tensor proj;  // [T, width]: per head q | gate, then k, then v
-  if (only != nullptr && w.kv_w.w.defined()) {  // q | gate only for the wanted rows (the others' stay unset)
+  if (only != nullptr && w.kv_w.defined()) {  // q | gate only for the wanted rows (the others' stay unset)
     proj = at::empty({bt.T, width}, h.options());
     proj.narrow(1, q_width, width - q_width).copy_(project(w.kv_w, h));
     proj.index_copy_(0, only->rows, project(w.qkv_w, h.index_select(0, only->rows)));

@@ -9,8 +9,11 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "attention.h"
@@ -21,8 +24,9 @@
 
 namespace deltaserve {
 
+// The model's sizes (the config's names in FusedStack's constructor).
 struct Dims {
-  int64_t hidden, intermediate;
+  int64_t hidden, intermediate, vocab;
   int64_t hk, hv, dk, dv, conv_dim, kernel;  // Gated DeltaNet
   int64_t nh, nkv, hd, rotary_dim;           // attention
   float eps;
@@ -59,8 +63,19 @@ struct Layer {
 // MTP head (input: fc(cat[norm(embedding of token t+1), norm(trunk hidden at t)])).
 class FusedStack {
  public:
-  FusedStack(std::vector<at::Tensor> tensors, std::vector<int64_t> layer_is_gdn, std::vector<int64_t> dims,
-             double eps, bool mtp);
+  // dims: the config's sizes by name (hidden_size, ..., rotary_dim); head: the stack's own tensors by name
+  // (embed_tokens.weight, norm.scale, rotary.inv_freq, lm_head.weight [+ .panels], and for the MTP head
+  // fc.weight [+ .panels], pre_fc_norm_embedding.scale, pre_fc_norm_hidden.scale); layers: each layer's
+  // tensors by name (deltaserve/executor/fused_cpu/stack.py, _layer_weights), its type in layer_types. Every
+  // tensor is checked against the shape the dims give it; errors name it. The tensors are used where they
+  // are, not copied: the model's own weights, the cache's own tensors.
+  FusedStack(std::map<std::string, int64_t> dims, double eps, std::map<std::string, at::Tensor> head,
+             const std::vector<std::string>& layer_types, std::vector<std::map<std::string, at::Tensor>> layers,
+             bool mtp);
+
+  // Every tensor the stack holds, by name ("layer 3 mlp.gate_proj.weight", "lm_head.screen.pairs"): to
+  // account for its memory.
+  const std::vector<std::pair<std::string, at::Tensor>>& named_tensors() const { return held_; }
 
   // Returns the final-normed hidden states [T, hidden] (with output_rows, [R, hidden] of those rows only: see
   // OutputRows) and, per GDN layer, the per-position conv [S, L, conv_dim, kernel-1] and recurrent
@@ -122,6 +137,7 @@ class FusedStack {
   Linear fc_;  // MTP head only, with the two pre-fc norm scales
   at::Tensor pre_embed_scale_, pre_hidden_scale_;
   std::vector<Layer> layers_;
+  std::vector<std::pair<std::string, at::Tensor>> held_;
 };
 
 }  // namespace deltaserve
