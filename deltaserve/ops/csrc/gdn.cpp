@@ -87,111 +87,109 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
   float* spec_ssm_p = bt.spec_rows ? spec_ssm.data_ptr<float>() : nullptr;
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
 
-  {
-    const int64_t work_per_seq = (bt.T / std::max<int64_t>(bt.B, 1) + 1) * Hv * dk * dv * 3;
-    at::parallel_for(0, bt.B, grain_for(work_per_seq), [&](int64_t b0, int64_t b1) {
-      std::vector<float> mixed(C), u(dv), sk(dv), sq(dv);
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t state_slot = bt.state_slots[b], row = bt.spec_index[b];
-        const bool fresh = bt.context_lens[b] == 0;
-        float* conv_slot = conv_cache + state_slot * conv_size;
-        float* ssm_slot = ssm_cache + state_slot * ssm_size;
-        const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
-        // The working state: the slot itself, or for a verify segment the per-position copy.
-        float* conv = conv_slot;
-        float* S = ssm_slot;
-        if (fresh && row < 0) {
-          std::fill(conv_slot, conv_slot + conv_size, 0.0f);
-          std::fill(ssm_slot, ssm_slot + ssm_size, 0.0f);
-        }
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t t = t0 + i;
-          if (row >= 0) {  // verify: position i starts from position i-1's state (or the slot's)
-            float* conv_i = spec_conv_p + (row * bt.spec_width + i) * conv_size;
-            float* S_i = spec_ssm_p + (row * bt.spec_width + i) * ssm_size;
-            if (fresh && i == 0) {
-              std::fill(conv_i, conv_i + conv_size, 0.0f);
-              std::fill(S_i, S_i + ssm_size, 0.0f);
-            } else {
-              std::memcpy(conv_i, conv, conv_size * sizeof(float));
-              std::memcpy(S_i, S, ssm_size * sizeof(float));
-            }
-            conv = conv_i;
-            S = S_i;
-          }
-          const float* xin = pp + t * width;
-          // causal depthwise conv over [state | x_t], then SiLU; the state shifts by one
-          if (K == 4) {  // the models' kernel size: fixed taps let this loop vectorize
-#pragma omp simd
-            for (int64_t c = 0; c < C; ++c) {
-              float* st = conv + c * 3;
-              const float* wc = cw + c * 4;
-              const float s0 = st[0], s1 = st[1], s2 = st[2], xc = xin[c];
-              st[0] = s1;
-              st[1] = s2;
-              st[2] = xc;
-              mixed[c] = silu(s0 * wc[0] + s1 * wc[1] + s2 * wc[2] + xc * wc[3]);
-            }
+  const int64_t work_per_seq = (bt.T / std::max<int64_t>(bt.B, 1) + 1) * Hv * dk * dv * 3;
+  at::parallel_for(0, bt.B, grain_for(work_per_seq), [&](int64_t b0, int64_t b1) {
+    std::vector<float> mixed(C), u(dv), sk(dv), sq(dv);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t state_slot = bt.state_slots[b], row = bt.spec_index[b];
+      const bool fresh = bt.context_lens[b] == 0;
+      float* conv_slot = conv_cache + state_slot * conv_size;
+      float* ssm_slot = ssm_cache + state_slot * ssm_size;
+      const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
+      // The working state: the slot itself, or for a verify segment the per-position copy.
+      float* conv = conv_slot;
+      float* S = ssm_slot;
+      if (fresh && row < 0) {
+        std::fill(conv_slot, conv_slot + conv_size, 0.0f);
+        std::fill(ssm_slot, ssm_slot + ssm_size, 0.0f);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = t0 + i;
+        if (row >= 0) {  // verify: position i starts from position i-1's state (or the slot's)
+          float* conv_i = spec_conv_p + (row * bt.spec_width + i) * conv_size;
+          float* S_i = spec_ssm_p + (row * bt.spec_width + i) * ssm_size;
+          if (fresh && i == 0) {
+            std::fill(conv_i, conv_i + conv_size, 0.0f);
+            std::fill(S_i, S_i + ssm_size, 0.0f);
           } else {
-            for (int64_t c = 0; c < C; ++c) {
-              float* st = conv + c * (K - 1);
-              const float* wc = cw + c * K;
-              float acc = 0.0f;
-              for (int64_t j = 0; j < K - 1; ++j) acc += st[j] * wc[j];
-              acc += xin[c] * wc[K - 1];
-              for (int64_t j = 0; j + 1 < K - 1; ++j) st[j] = st[j + 1];
-              st[K - 2] = xin[c];
-              mixed[c] = silu(acc);
-            }
+            std::memcpy(conv_i, conv, conv_size * sizeof(float));
+            std::memcpy(S_i, S, ssm_size * sizeof(float));
           }
-          // L2-normalise q and k per key head (q also scaled by dk^-1/2)
-          for (int64_t kh = 0; kh < 2 * d.hk; ++kh) {
-            float* v = mixed.data() + kh * dk;
-            float r = 1.0f / std::sqrt(dot(v, v, dk) + 1e-6f);
-            if (kh < d.hk) r *= q_scale;
+          conv = conv_i;
+          S = S_i;
+        }
+        const float* xin = pp + t * width;
+        // causal depthwise conv over [state | x_t], then SiLU; the state shifts by one
+        if (K == 4) {  // the models' kernel size: fixed taps let this loop vectorize
 #pragma omp simd
-            for (int64_t j = 0; j < dk; ++j) v[j] *= r;
+          for (int64_t c = 0; c < C; ++c) {
+            float* st = conv + c * 3;
+            const float* wc = cw + c * 4;
+            const float s0 = st[0], s1 = st[1], s2 = st[2], xc = xin[c];
+            st[0] = s1;
+            st[1] = s2;
+            st[2] = xc;
+            mixed[c] = silu(s0 * wc[0] + s1 * wc[1] + s2 * wc[2] + xc * wc[3]);
           }
-          const float* z = xin + C;
-          const float* braw = xin + C + value_dim;
-          const float* araw = braw + Hv;
-          float* o_t = out + t * value_dim;
-          for (int64_t hv = 0; hv < Hv; ++hv) {
-            const float* q = mixed.data() + (hv / rep) * dk;
-            const float* k = mixed.data() + key_dim + (hv / rep) * dk;
-            const float* v = mixed.data() + 2 * key_dim + hv * dv;
-            const float beta = sigmoid(braw[hv]);
-            const float decay = std::exp(neg_a[hv] * softplus(araw[hv] + dt_bias[hv]));
-            float* Sh = S + hv * dk * dv;
-            // One read pass gives S^T k and S^T q (state_times_kq); then, with
-            //   S' = decay S + k u^T,  u = beta (v - decay S^T k),  o = S'^T q = decay S^T q + (k.q) u,
-            // one pass writes S'. (The reference decays S first; same maths, other rounding order.)
-            const float kq = dot(k, q, dk);
-            float* o = o_t + hv * dv;
-            state_times_kq(Sh, k, q, dk, dv, sk.data(), sq.data());
-#pragma omp simd
-            for (int64_t j = 0; j < dv; ++j) {
-              u[j] = beta * (v[j] - decay * sk[j]);
-              o[j] = decay * sq[j] + kq * u[j];
-            }
-            for (int64_t a = 0; a < dk; ++a) {
-              float* Sa = Sh + a * dv;
-              const float ka = k[a];
-#pragma omp simd
-              for (int64_t j = 0; j < dv; ++j) Sa[j] = Sa[j] * decay + ka * u[j];
-            }
-            gated_rms_norm_row(o, z + hv * dv, norm_w, d.eps, dv);
+        } else {
+          for (int64_t c = 0; c < C; ++c) {
+            float* st = conv + c * (K - 1);
+            const float* wc = cw + c * K;
+            float acc = 0.0f;
+            for (int64_t j = 0; j < K - 1; ++j) acc += st[j] * wc[j];
+            acc += xin[c] * wc[K - 1];
+            for (int64_t j = 0; j + 1 < K - 1; ++j) st[j] = st[j + 1];
+            st[K - 2] = xin[c];
+            mixed[c] = silu(acc);
           }
         }
-        if (row >= 0) {  // padding positions of a shorter verify segment keep its last state
-          for (int64_t i = n; i < bt.spec_width; ++i) {
-            std::memcpy(spec_conv_p + (row * bt.spec_width + i) * conv_size, conv, conv_size * sizeof(float));
-            std::memcpy(spec_ssm_p + (row * bt.spec_width + i) * ssm_size, S, ssm_size * sizeof(float));
+        // L2-normalise q and k per key head (q also scaled by dk^-1/2)
+        for (int64_t kh = 0; kh < 2 * d.hk; ++kh) {
+          float* v = mixed.data() + kh * dk;
+          float r = 1.0f / std::sqrt(dot(v, v, dk) + 1e-6f);
+          if (kh < d.hk) r *= q_scale;
+#pragma omp simd
+          for (int64_t j = 0; j < dk; ++j) v[j] *= r;
+        }
+        const float* z = xin + C;
+        const float* braw = xin + C + value_dim;
+        const float* araw = braw + Hv;
+        float* o_t = out + t * value_dim;
+        for (int64_t hv = 0; hv < Hv; ++hv) {
+          const float* q = mixed.data() + (hv / rep) * dk;
+          const float* k = mixed.data() + key_dim + (hv / rep) * dk;
+          const float* v = mixed.data() + 2 * key_dim + hv * dv;
+          const float beta = sigmoid(braw[hv]);
+          const float decay = std::exp(neg_a[hv] * softplus(araw[hv] + dt_bias[hv]));
+          float* Sh = S + hv * dk * dv;
+          // One read pass gives S^T k and S^T q (state_times_kq); then, with
+          //   S' = decay S + k u^T,  u = beta (v - decay S^T k),  o = S'^T q = decay S^T q + (k.q) u,
+          // one pass writes S'. (The reference decays S first; same maths, other rounding order.)
+          const float kq = dot(k, q, dk);
+          float* o = o_t + hv * dv;
+          state_times_kq(Sh, k, q, dk, dv, sk.data(), sq.data());
+#pragma omp simd
+          for (int64_t j = 0; j < dv; ++j) {
+            u[j] = beta * (v[j] - decay * sk[j]);
+            o[j] = decay * sq[j] + kq * u[j];
           }
+          for (int64_t a = 0; a < dk; ++a) {
+            float* Sa = Sh + a * dv;
+            const float ka = k[a];
+#pragma omp simd
+            for (int64_t j = 0; j < dv; ++j) Sa[j] = Sa[j] * decay + ka * u[j];
+          }
+          gated_rms_norm_row(o, z + hv * dv, norm_w, d.eps, dv);
         }
       }
-    });
-  }
+      if (row >= 0) {  // padding positions of a shorter verify segment keep its last state
+        for (int64_t i = n; i < bt.spec_width; ++i) {
+          std::memcpy(spec_conv_p + (row * bt.spec_width + i) * conv_size, conv, conv_size * sizeof(float));
+          std::memcpy(spec_ssm_p + (row * bt.spec_width + i) * ssm_size, S, ssm_size * sizeof(float));
+        }
+      }
+    }
+  });
   return core;
 }
 
