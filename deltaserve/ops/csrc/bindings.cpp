@@ -99,7 +99,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_alone(
   const int64_t C = conv_w.size(0), K = conv_w.size(1), hv = ssm_cache.size(1), dk = ssm_cache.size(2),
                 dv = ssm_cache.size(3);
   const int64_t hk = (C - hv * dv) / (2 * dk);
-  TORCH_CHECK(hk > 0 && 2 * hk * dk + hv * dv == C && hv % hk == 0, "conv_w: [2 hk dk + hv dv, K] for ssm_cache's sizes");
+  TORCH_CHECK(hk > 0 && 2 * hk * dk + hv * dv == C && hv % hk == 0,
+              "conv_w: [2 hk dk + hv dv, K] for ssm_cache's sizes");
   TORCH_CHECK(neg_a.size(0) == hv && dt_bias.size(0) == hv && norm_w.size(0) == dv, "neg_a, dt_bias [hv]; norm_w [dv]");
   TORCH_CHECK(conv_cache.size(1) == C && conv_cache.size(2) == K - 1 && conv_cache.size(0) == ssm_cache.size(0),
               "conv_cache: [slots, conv_dim, K - 1]");

@@ -22,9 +22,10 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 }
 
 // One stack's or one layer's tensors by name, each taken with the dtype and exact shape it must have (-1:
-// any size, for the caches' slot and block counts). Errors name the tensor, "layer 3 linear_attn.in_proj_z
-// .weight: expected [64, 48] got [8, 48]"; a name left over at the end (misspelt, or not this layer's) is
-// an error too. What is taken is also recorded in `held` (FusedStack::named_tensors).
+// any size, for the caches' slot and block counts). Errors name the tensor:
+//   layer 1 linear_attn.in_proj_z.weight: expected [48, 48] got [4, 48]
+// and a name left over at the end (misspelt, or not this layer's) is an error too. What is taken is also
+// recorded in `held` (FusedStack::named_tensors).
 class NamedTensors {
  public:
   NamedTensors(std::map<std::string, at::Tensor> tensors, std::string where,
@@ -57,7 +58,9 @@ class NamedTensors {
       N += rows;
     }
     at::Tensor panels;
-    if (tensors_.count(panels_name) != 0) panels = take(panels_name, {(N + kPanel - 1) / kPanel, K, kPanel}, at::kBFloat16);
+    if (tensors_.count(panels_name) != 0) {
+      panels = take(panels_name, {(N + kPanel - 1) / kPanel, K, kPanel}, at::kBFloat16);
+    }
     return make_linear(std::move(weights), panels);
   }
 
@@ -291,7 +294,8 @@ void FusedStack::commit_verified(const std::vector<at::Tensor>& conv_states, con
   for (const Layer& l : layers_) {
     if (!l.gdn) continue;
     TORCH_CHECK(g < conv_states.size() && g < ssm_states.size(), "commit_verified: one state pair per GDN layer");
-    for (const auto& [states, cache] : {std::pair{conv_states[g], l.g.t.conv_cache}, {ssm_states[g], l.g.t.ssm_cache}}) {
+    for (const auto& [states, cache] :
+         {std::pair{conv_states[g], l.g.t.conv_cache}, {ssm_states[g], l.g.t.ssm_cache}}) {
       const int64_t row = cache.numel() / cache.size(0);
       TORCH_CHECK(states.scalar_type() == at::kFloat && states.is_contiguous() && states.dim() >= 2 &&
                       states.size(0) == S && states.numel() == S * states.size(1) * row,
