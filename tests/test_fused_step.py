@@ -1,4 +1,4 @@
-"""The fused C++ step (deltaserve/model/fused.py, deltaserve/ops/csrc) against the Python model it replaces:
+"""The fused C++ step (deltaserve/executor/fused_cpu, deltaserve/ops/csrc) against the Python model it replaces:
 the same hidden states, logits, cache writes and per-position verify states, on random checkpoints whose
 weights are fp32 (MKL projections) or exactly bf16 (the bf16 panel projections)."""
 
@@ -11,7 +11,7 @@ import torch
 
 from deltaserve.cache.tensors import allocate_cache
 from deltaserve.executor import TorchExecutor
-from deltaserve.executor.fused_cpu.stack import FusedMTP, FusedTrunk, _linear, supported
+from deltaserve.executor.fused_cpu.stack import FusedMTP, FusedTrunk, supported
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.loader import load_model
 from deltaserve.ops.fused_ext import load_extension
@@ -177,33 +177,6 @@ def test_fused_logits_for_few_and_many_rows(model, ext) -> None:
             torch.testing.assert_close(
                 fused.logits(hidden, rows), model.compute_logits(hidden, rows), atol=1e-5, rtol=1e-5
             )
-
-
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 97, 200])
-def test_panel_projection_matches_torch_linear(ext, rows: int) -> None:
-    """The bf16 panel kernel alone against F.linear: row tails of 1-5, row blocks of 96, output counts that
-    are not multiples of 64 (a partial last panel), odd K."""
-    g = torch.Generator().manual_seed(rows)
-    for n_out, k_in in [(64, 16), (70, 33), (130, 192)]:
-        weight = torch.randn(n_out, k_in, generator=g).bfloat16().float()
-        x = torch.randn(rows, k_in, generator=g)
-        _, panels = _linear(weight)
-        assert panels.numel() > 0  # bf16-valued weights get panels
-        got = ext.linear_panels(x, panels, n_out)
-        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
-
-
-def test_panel_projection_with_an_output_written_around_the_caches(ext) -> None:
-    """An output over 4 MB (a long prompt chunk's) is written with non-temporal stores: the same numbers as
-    the same rows projected a few at a time, and a partial last panel still lands in place."""
-    g = torch.Generator().manual_seed(0)
-    n_out, k_in = 528, 64  # 8 full panels and one of 16 outputs; 2048 x 528 floats is 4.3 MB
-    weight = torch.randn(n_out, k_in, generator=g).bfloat16().float()
-    x = torch.randn(2048, k_in, generator=g)
-    _, panels = _linear(weight)
-    got = ext.linear_panels(x, panels, n_out)
-    assert torch.equal(got, torch.cat([ext.linear_panels(rows, panels, n_out) for rows in x.split(96)]))
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
 def test_fused_greedy_tokens_are_the_argmax_of_the_logits(model, ext) -> None:

@@ -1,6 +1,7 @@
 """FusedTrunk.greedy_tokens screens the vocabulary with bf16 dot products and decides with the fp32 panel
-kernel (fused_step.cpp, screened_greedy). Its tokens must be exactly torch.argmax of the logits that
-FusedTrunk.logits returns, also where the logits are so close that the bf16 screen alone would pick wrong."""
+kernel (deltaserve/ops/csrc/greedy_screen.cpp, screened_greedy). Its tokens must be exactly torch.argmax of
+the logits that FusedTrunk.logits returns, also where the logits are so close that the bf16 screen alone
+would pick wrong."""
 
 from __future__ import annotations
 

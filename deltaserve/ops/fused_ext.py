@@ -1,6 +1,7 @@
-"""Builds and loads the fused step's C++ sources (every *.cpp in csrc/) with the system C++ compiler: once per
-source, flags, torch, compiler and machine (about 30 s, said on stderr), cached under TORCH_EXTENSIONS_DIR or
-~/.cache/torch_extensions (ext_build.py). A failed build is remembered: the process does not try again.
+"""Builds and loads the fused step's C++ sources (every *.cpp in csrc/, one translation unit each) with the
+system C++ compiler: once per source, flags, torch, compiler and machine (about 30 s, said on stderr),
+cached under TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions (ext_build.py). A failed build is
+remembered: the process does not try again.
 
 The native build is compiled for this CPU (-march=native); the portable one for any x86-64 since about 2009
 (-march=x86-64-v2: no AVX, so the C++'s non-AVX-512 branches), which the tests run as well."""

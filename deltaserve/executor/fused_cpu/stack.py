@@ -4,12 +4,13 @@ Python model (deltaserve/model) is the reference; this removes the per-op overhe
 model's step on a CPU, and runs the GDN recurrence token by token in C++ (cheaper than the chunked form at
 these head sizes).
 
-Used for fp32 weights and caches (make_executor checks supported()). The projections that read the same
-input are fused into one weight (GDN q|k|v|z|b|a, attention q|k|v, MLP gate|up); the modules' own weights
-become views into it, so memory is not doubled and both paths read the same numbers. Weights whose values
-are all bfloat16 numbers also keep a bf16 copy in panels (half a weight's fp32 bytes, +50% weight memory)
-that every projection streams instead of the fp32 weight. On CPUs with AVX512-BF16 such an lm_head keeps
-one more bf16 copy, in pairs along K, for greedy_tokens' screen.
+Used for fp32 weights and caches (make_executor checks supported()). The C++ stack takes each layer's tensors
+by name (_layer_weights) and checks their shapes; it reads the model's own weights where they are and
+rewrites none of them. Projections that read the same input (GDN q|k|v|z|b|a, attention q|k|v, MLP gate|up)
+run as one: their weights go across as the row blocks of one projection. Weights whose values are all
+bfloat16 numbers also get a bf16 copy in panels, one per such projection (half a weight's fp32 bytes, +50%
+weight memory), that every projection streams instead of the fp32 weight. On CPUs with AVX512-BF16 such an
+lm_head keeps one more bf16 copy, in pairs along K, for greedy_tokens' screen.
 """
 
 from __future__ import annotations
@@ -24,40 +25,37 @@ from deltaserve.ops.fused_ext import load_extension
 __all__ = ["FusedMTP", "FusedTrunk", "supported"]
 
 
-def _fuse_rows(modules_and_names: list[tuple[torch.nn.Module, str]]) -> torch.Tensor:
-    """One weight whose row blocks are the given Linear weights; each module's weight becomes a view."""
-    weights = [getattr(m, n).weight for m, n in modules_and_names]
-    fused = torch.cat([w.detach() for w in weights]).contiguous()
-    start = 0
-    for (m, n), w in zip(modules_and_names, weights):
-        rows = w.shape[0]
-        getattr(m, n).weight.data = fused[start : start + rows]
-        start += rows
-    return fused
-
-
 PANEL = 64  # outputs per bf16 panel (kPanel in the C++)
 
 
-def _linear(weight: torch.Tensor) -> list[torch.Tensor]:
-    """A projection for the C++ step: the fp32 weight [N, K] and, when all its values are bfloat16 numbers
-    (a bf16 checkpoint computed in fp32), the same values as bf16 panels [ceil(N/64), K, 64], which the
-    C++ projections stream instead (half the bytes, identical products); else an empty tensor.
+def _linear(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A projection for the C++ step from its row blocks, weights [N_i, K] in output order: the blocks
+    themselves (the model's tensors, not copied) and, when all their values are bfloat16 numbers (a bf16
+    checkpoint computed in fp32), the same values as bf16 panels [ceil(N/64), K, 64] of all N rows, which
+    the C++ projections stream instead (half the bytes, identical products); else an empty tensor.
 
     Within a panel's row k the 64 outputs are interleaved in two halves of 32: output 32h + i sits at
     word 32h + 2i, and output 32h + 16 + i at word 32h + 2i + 1. Read as 32-bit lanes, the low words are
     16 consecutive outputs and the high words the next 16, so the kernel turns 32 weights into fp32 with
     one shift and one mask (kPanel in the C++)."""
-    weight = weight.detach()
-    as_bf16 = weight.to(torch.bfloat16)
-    if not torch.equal(as_bf16.float(), weight):
-        return [weight, torch.empty(0)]
-    N, K = weight.shape
+    parts = [p.detach() for p in parts]
+    as_bf16 = [p.to(torch.bfloat16) for p in parts]
+    if not all(torch.equal(b.float(), p) for b, p in zip(as_bf16, parts)):
+        return parts, torch.empty(0)
+    N, K = sum(p.shape[0] for p in parts), parts[0].shape[1]
     P = -(-N // PANEL)
-    padded = torch.cat([as_bf16, as_bf16.new_zeros(P * PANEL - N, K)])
+    padded = torch.cat([*as_bf16, as_bf16[0].new_zeros(P * PANEL - N, K)])
     # [panel, half, low/high word, i, K] -> [panel, K, half, i, low/high word]
     interleaved = padded.view(P, 2, 2, PANEL // 4, K).permute(0, 4, 1, 3, 2)
-    return [weight, interleaved.reshape(P, K, PANEL).contiguous()]
+    return parts, interleaved.reshape(P, K, PANEL).contiguous()
+
+
+def _add_projection(weights: dict[str, torch.Tensor], panels_name: str, parts: dict[str, torch.Tensor]) -> None:
+    """weights[name] = each row block of one projection, and weights[panels_name] = its panels if it has any."""
+    blocks, panels = _linear(list(parts.values()))
+    weights.update(zip(parts, blocks))
+    if panels.numel() > 0:
+        weights[panels_name] = panels
 
 
 def supported(model: torch.nn.Module, cache: CacheTensors) -> str | None:
@@ -75,61 +73,78 @@ def _one_plus(norm: torch.nn.Module) -> torch.Tensor:
     return (1.0 + norm.weight.detach().float()).contiguous()
 
 
-def _layer_tensors(layer: torch.nn.Module, cache: CacheTensors) -> list[torch.Tensor]:
-    """One decoder layer's tensors in the order FusedStack's constructor reads them."""
+def _layer_weights(layer: torch.nn.Module, cache: CacheTensors) -> dict[str, torch.Tensor]:
+    """One decoder layer's tensors by the names FusedStack's constructor reads (the modules' own names)."""
     mlp = layer.mlp
-    tensors = [
-        _one_plus(layer.input_layernorm), _one_plus(layer.post_attention_layernorm),
-        *_linear(_fuse_rows([(mlp, "gate_proj"), (mlp, "up_proj")])), *_linear(mlp.down_proj.weight),
-    ]
+    w = {
+        "input_layernorm.scale": _one_plus(layer.input_layernorm),
+        "post_attention_layernorm.scale": _one_plus(layer.post_attention_layernorm),
+    }
+    _add_projection(w, "mlp.gate_up_proj.panels",
+                    {"mlp.gate_proj.weight": mlp.gate_proj.weight, "mlp.up_proj.weight": mlp.up_proj.weight})
+    _add_projection(w, "mlp.down_proj.panels", {"mlp.down_proj.weight": mlp.down_proj.weight})
     if layer.layer_type == "linear_attention":
         g = layer.linear_attn
-        in_proj = _fuse_rows([(g, "in_proj_qkv"), (g, "in_proj_z"), (g, "in_proj_b"), (g, "in_proj_a")])
-        return tensors + [
-            *_linear(in_proj),
-            g.conv1d.weight.detach()[:, 0, :].contiguous(),
-            (-g.A_log.detach().float().exp()).contiguous(),
-            g.dt_bias.detach().float().contiguous(),
-            g.norm.weight.detach().contiguous(),
-            *_linear(g.out_proj.weight),
-            cache.conv[layer.layer_id], cache.ssm[layer.layer_id],
-        ]
+        _add_projection(w, "linear_attn.in_proj.panels", {
+            f"linear_attn.{name}.weight": getattr(g, name).weight
+            for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        })
+        _add_projection(w, "linear_attn.out_proj.panels", {"linear_attn.out_proj.weight": g.out_proj.weight})
+        w |= {
+            "linear_attn.conv1d.weight": g.conv1d.weight.detach()[:, 0, :],  # [C, 1, K] -> [C, K], a view
+            "linear_attn.neg_a": (-g.A_log.detach().float().exp()).contiguous(),
+            "linear_attn.dt_bias": g.dt_bias.detach(),
+            "linear_attn.norm.weight": g.norm.weight.detach(),
+            "conv_cache": cache.conv[layer.layer_id], "ssm_cache": cache.ssm[layer.layer_id],
+        }
+        return w
     a = layer.self_attn
+    _add_projection(w, "self_attn.qkv_proj.panels", {
+        f"self_attn.{name}.weight": getattr(a, name).weight for name in ("q_proj", "k_proj", "v_proj")
+    })
+    _add_projection(w, "self_attn.o_proj.panels", {"self_attn.o_proj.weight": a.o_proj.weight})
     k_cache, v_cache = cache.kv[layer.layer_id]
-    return tensors + [
-        *_linear(_fuse_rows([(a, "q_proj"), (a, "k_proj"), (a, "v_proj")])),
-        _one_plus(a.q_norm), _one_plus(a.k_norm), *_linear(a.o_proj.weight), k_cache, v_cache,
-    ]
+    w |= {
+        "self_attn.q_norm.scale": _one_plus(a.q_norm), "self_attn.k_norm.scale": _one_plus(a.k_norm),
+        "k_cache": k_cache, "v_cache": v_cache,
+    }
+    return w
+
+
+DIMS = (  # the config's sizes that FusedStack reads, by their names
+    "hidden_size", "intermediate_size", "vocab_size", "linear_num_key_heads", "linear_num_value_heads",
+    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rotary_dim",
+)
 
 
 _NO_HIDDEN = torch.empty(0)  # the trunk's forward takes no hidden input
 
 
 class _FusedStack:
-    """Python side of the C++ FusedStack: builds its tensor list, runs it on a ForwardContext."""
+    """Python side of the C++ FusedStack: hands it the named tensors, runs it on a ForwardContext."""
 
-    def __init__(self, model: torch.nn.Module, cache: CacheTensors, embed: torch.Tensor, final_norm,
-                 lm_head: list[torch.Tensor], prologue: list[torch.Tensor], layers,
-                 ext: ModuleType | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, cache: CacheTensors, head: dict[str, torch.Tensor], layers,
+                 mtp: bool, ext: ModuleType | None = None) -> None:
+        """head: the stack's own tensors by name besides the final norm and rotary frequencies (FusedStack's
+        constructor lists them); ext: another build of the C++ step (the tests' portable one)."""
         reason = supported(model, cache)
         if reason is not None:
             raise ValueError(f"the fused step cannot run this model: {reason}")
-        ext = ext or load_extension()  # ext: another build of the C++ step (the tests' portable one)
+        ext = ext or load_extension()
         cfg = model.config
         with torch.no_grad():
-            tensors = [embed.detach(), _one_plus(final_norm), model.model.rotary.inv_freq.contiguous()]
-            tensors += lm_head + prologue
-            for layer in layers:
-                tensors += _layer_tensors(layer, cache)
-        dims = [
-            cfg.hidden_size, cfg.intermediate_size,
-            cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-            cfg.linear_value_head_dim, cfg.conv_dim, cfg.linear_conv_kernel_dim,
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim,
-        ]
-        is_gdn = [int(layer.layer_type == "linear_attention") for layer in layers]
-        self._impl = ext.FusedStack(tensors, is_gdn, dims, cfg.rms_norm_eps, bool(prologue))
+            head = head | {"rotary.inv_freq": model.model.rotary.inv_freq.contiguous()}
+            weights = [_layer_weights(layer, cache) for layer in layers]
+        self._impl = ext.FusedStack(
+            {name: getattr(cfg, name) for name in DIMS}, cfg.rms_norm_eps, head,
+            [layer.layer_type for layer in layers], weights, mtp,
+        )
         self.gdn_layer_ids = [layer.layer_id for layer in layers if layer.layer_type == "linear_attention"]
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor the C++ stack holds, by name: the model's and the cache's own, and its bf16 copies."""
+        return self._impl.named_tensors()
 
     PROFILE_PARTS = ("projections", "gdn_conv_and_recurrence", "attention", "forward")
 
@@ -169,10 +184,9 @@ class FusedTrunk(_FusedStack):
 
     def __init__(self, model: torch.nn.Module, cache: CacheTensors, ext: ModuleType | None = None) -> None:
         text = model.model
-        super().__init__(
-            model, cache, text.embed_tokens.weight, text.norm, _linear(model.lm_head.weight), [], list(text.layers),
-            ext,
-        )
+        head = {"embed_tokens.weight": text.embed_tokens.weight.detach(), "norm.scale": _one_plus(text.norm)}
+        _add_projection(head, "lm_head.panels", {"lm_head.weight": model.lm_head.weight})
+        super().__init__(model, cache, head, list(text.layers), mtp=False, ext=ext)
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         """The model's compute_logits, through the C++ projection (bf16 panels when the weights allow)."""
@@ -198,7 +212,7 @@ class FusedTrunk(_FusedStack):
     @property
     def greedy_screen(self) -> bool:
         """Whether greedy_tokens screens the vocabulary with bf16 dot products before the exact fp32 pass
-        (fused_step.cpp, screened_greedy): AVX512-BF16, and a finite lm_head of bf16 values. Same tokens
+        (deltaserve/ops/csrc/greedy_screen.cpp): AVX512-BF16, and a finite lm_head of bf16 values. Same tokens
         either way; settable to False for measurements."""
         return self._impl.greedy_screen_on()
 
@@ -226,10 +240,15 @@ class FusedMTP(_FusedStack):
         if mtp is None or len(mtp.layers) != 1:
             raise ValueError("the fused MTP head needs a model with exactly one MTP layer")
         embed = mtp.embed_tokens if mtp.embed_tokens is not None else model.model.embed_tokens
-        prologue = _linear(mtp.fc.weight) + [_one_plus(mtp.pre_fc_norm_embedding), _one_plus(mtp.pre_fc_norm_hidden)]
         # Drafts take their logits from the trunk's lm_head (FusedTrunk.logits): no second bf16 copy here.
-        lm_head = [model.lm_head.weight.detach(), torch.empty(0)]
-        super().__init__(model, cache, embed.weight, mtp.norm, lm_head, prologue, list(mtp.layers), ext)
+        head = {
+            "embed_tokens.weight": embed.weight.detach(), "norm.scale": _one_plus(mtp.norm),
+            "lm_head.weight": model.lm_head.weight.detach(),
+            "pre_fc_norm_embedding.scale": _one_plus(mtp.pre_fc_norm_embedding),
+            "pre_fc_norm_hidden.scale": _one_plus(mtp.pre_fc_norm_hidden),
+        }
+        _add_projection(head, "fc.panels", {"fc.weight": mtp.fc.weight})
+        super().__init__(model, cache, head, list(mtp.layers), mtp=True, ext=ext)
 
     def __call__(
         self, next_token_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, step: int = 0

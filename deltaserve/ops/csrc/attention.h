@@ -1,0 +1,45 @@
+// Gated attention between its two projections over the paged KV cache (deltaserve/ops/attention.py has the
+// cache layout and the reference): q/k RMSNorm and RoPE with the K/V write, the attention of each query
+// token to its sequence's cached positions, and the output gate.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "batch.h"
+
+namespace deltaserve {
+
+struct AttentionDims {
+  int64_t nh, nkv, hd, rotary_dim;
+  float eps;
+};
+
+// Attention's loop over query tokens takes them kItemTokens of one sequence at a time (its unit of work
+// between threads). A prompt chunk whose cached keys and values exceed kLoopKVBytes goes to torch's fused
+// attention kernel instead, which reads them once per block of queries rather than once per query: below
+// that the loop is faster (on the 60M benchmark model, one thread: 2k-token prompt 0.139 -> 0.107 s of
+// attention; a 4000-token one, 4 MB of K/V a layer, 0.63 -> 0.41 s).
+constexpr int64_t kItemTokens = 16;
+constexpr int64_t kLoopKVBytes = 8 << 20;
+
+// q/k RMSNorm and RoPE, K/V into the cache (every token's, before any token reads them), in place on the
+// qkv projection's rows proj [T, 2 nh hd + 2 nkv hd] (per head q | gate, then k, then v). cos/sin: [T,
+// rotary_dim / 2]. wanted (null: all): the tokens whose queries are needed; the others' are left as they are.
+void norm_rope_and_cache(const AttentionDims& d, const at::Tensor& proj, const at::Tensor& q_scale,
+                         const at::Tensor& k_scale, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const Batch& bt, const float* cos, const float* sin, const char* wanted);
+
+// out [T, nh * hd] (contiguous) = softmax(q k^T / sqrt(hd)) v of each wanted token's queries q [T, nh, hd]
+// (any row and head strides, dims contiguous) over positions 0 .. positions[t] of its sequence, read
+// through the block table from k_cache [blocks, nkv, hd, block_size] and v_cache [blocks, block_size, nkv,
+// hd]. Rows of unwanted tokens are left unset. Prompt chunks of more than kItemTokens tokens whose K/V
+// exceed loop_kv_bytes go through torch's fused kernel (only when every token is wanted).
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const Batch& bt,
+                     const char* wanted, int64_t loop_kv_bytes, const at::Tensor& out);
+
+// out [T, nh * hd] *= sigmoid(gate), the gate being the second half of each head's q_proj rows in proj.
+void output_gate(const at::Tensor& proj, int64_t nh, int64_t hd, const char* wanted, const at::Tensor& out);
+
+}  // namespace deltaserve

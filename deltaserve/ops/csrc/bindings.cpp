@@ -1,0 +1,181 @@
+// The Python module of the fused step: FusedStack (stack.h) and its kernels one by one, for their tests
+// against deltaserve/ops and deltaserve/model (tests/test_kernels.py) and for measurements.
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "attention.h"
+#include "batch.h"
+#include "gdn.h"
+#include "linear.h"
+#include "norms.h"
+#include "stack.h"
+
+using namespace deltaserve;
+
+namespace {
+
+void check_float(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == dim, name, ": contiguous float32 of ",
+              dim, " dims");
+}
+
+at::Tensor linear_panels_alone(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
+  check_float(x, "x", 2);
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
+                  panels.size(1) == x.size(1) && panels.size(2) == kPanel && N > 0 && N <= panels.size(0) * kPanel,
+              "panels: contiguous bf16 [ceil(N / 64), K, 64] for x's K");
+  return linear_panels(x, panels, N);
+}
+
+at::Tensor linear_alone(const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                        const std::optional<at::Tensor>& panels) {
+  check_float(x, "x", 2);
+  TORCH_CHECK(!parts.empty(), "parts: at least one");
+  for (const at::Tensor& p : parts) {
+    check_float(p, "parts", 2);
+    TORCH_CHECK(p.size(1) == x.size(1), "parts: [N_i, K] for x's K");
+  }
+  Linear l = make_linear(parts, panels.value_or(at::Tensor()));
+  if (l.panels.defined()) {
+    TORCH_CHECK(l.panels.scalar_type() == at::kBFloat16 && l.panels.is_contiguous() &&
+                    l.panels.sizes() == at::IntArrayRef({(l.N + kPanel - 1) / kPanel, l.K, kPanel}),
+                "panels: contiguous bf16 [ceil(N / 64), K, 64]");
+  }
+  return apply(l, x);
+}
+
+at::Tensor rms_norm_alone(const at::Tensor& x, const at::Tensor& scale, double eps) {
+  check_float(x, "x", 2);
+  check_float(scale, "scale", 1);
+  TORCH_CHECK(scale.size(0) == x.size(1), "scale: [n] for x [T, n]");
+  return rms_norm_rows(x, scale, static_cast<float>(eps));
+}
+
+at::Tensor gated_rms_norm_alone(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && z.scalar_type() == at::kFloat && x.sizes() == z.sizes() &&
+                  x.dim() >= 1, "x, z: float32 of the same shape");
+  check_float(weight, "weight", 1);
+  const int64_t n = weight.size(0);
+  TORCH_CHECK(x.size(-1) == n, "weight: [n] for x [..., n]");
+  at::Tensor out = x.contiguous().clone();
+  const at::Tensor zc = z.contiguous();
+  for (int64_t r = 0; r < out.numel() / n; ++r) {
+    gated_rms_norm_row(out.data_ptr<float>() + r * n, zc.data_ptr<float>() + r * n, weight.data_ptr<float>(),
+                       static_cast<float>(eps), n);
+  }
+  return out;
+}
+
+at::Tensor rotary_alone(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq) {
+  check_float(x, "x", 3);
+  check_float(inv_freq, "inv_freq", 1);
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 1 &&
+                  positions.size(0) == x.size(0), "positions: int64 [T] for x [T, heads, head_dim]");
+  const int64_t T = x.size(0), heads = x.size(1), hd = x.size(2), half = inv_freq.size(0);
+  TORCH_CHECK(2 * half <= hd, "inv_freq: at most head_dim / 2 frequencies");
+  std::vector<float> cos, sin;
+  rope_tables(positions.data_ptr<int64_t>(), T, inv_freq.data_ptr<float>(), half, cos, sin);
+  at::Tensor out = x.clone();
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < heads; ++h) rope_head(op + (t * heads + h) * hd, &cos[t * half], &sin[t * half], half);
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_alone(
+    const at::Tensor& proj, const at::Tensor& conv_w, const at::Tensor& neg_a, const at::Tensor& dt_bias,
+    const at::Tensor& norm_w, const at::Tensor& conv_cache, const at::Tensor& ssm_cache, const at::Tensor& qsl,
+    const at::Tensor& context_lens, const at::Tensor& state_slots, const at::Tensor& spec_index, int64_t spec_width,
+    double eps) {
+  check_float(proj, "proj", 2);
+  check_float(conv_w, "conv_w", 2);
+  check_float(conv_cache, "conv_cache", 3);
+  check_float(ssm_cache, "ssm_cache", 4);
+  for (const at::Tensor* t : {&neg_a, &dt_bias, &norm_w}) check_float(*t, "neg_a, dt_bias, norm_w", 1);
+  const int64_t C = conv_w.size(0), K = conv_w.size(1), hv = ssm_cache.size(1), dk = ssm_cache.size(2),
+                dv = ssm_cache.size(3);
+  const int64_t hk = (C - hv * dv) / (2 * dk);
+  TORCH_CHECK(hk > 0 && 2 * hk * dk + hv * dv == C && hv % hk == 0,
+              "conv_w: [2 hk dk + hv dv, K] for ssm_cache's sizes");
+  TORCH_CHECK(neg_a.size(0) == hv && dt_bias.size(0) == hv && norm_w.size(0) == dv, "neg_a, dt_bias [hv]; norm_w [dv]");
+  TORCH_CHECK(conv_cache.size(1) == C && conv_cache.size(2) == K - 1 && conv_cache.size(0) == ssm_cache.size(0),
+              "conv_cache: [slots, conv_dim, K - 1]");
+  TORCH_CHECK(proj.size(1) == C + hv * dv + 2 * hv, "proj: [T, conv_dim + hv dv + 2 hv] (qkv | z | b | a)");
+  const int64_t T = proj.size(0), B = context_lens.size(0);
+  TORCH_CHECK(state_slots.numel() == B && spec_index.numel() == B, "state_slots, spec_index: [B] for context_lens [B]");
+  const at::Tensor positions = at::zeros({T}, qsl.options()), slot_mapping = at::zeros({T}, qsl.options());
+  const at::Tensor block_tables = at::zeros({B, 1}, qsl.options());
+  int64_t spec_rows = 0;
+  for (int64_t b = 0; b < B; ++b) spec_rows += spec_index[b].item<int64_t>() >= 0;
+  const Batch bt = make_batch(T, positions, qsl, context_lens, block_tables, slot_mapping, state_slots, spec_index,
+                              spec_rows, spec_width);
+  check_batch(bt, conv_cache.size(0), -1, 1);
+  at::Tensor spec_conv, spec_ssm;
+  if (spec_rows > 0) {
+    spec_conv = at::empty({spec_rows, spec_width, C, K - 1}, proj.options());
+    spec_ssm = at::empty({spec_rows, spec_width, hv, dk, dv}, proj.options());
+  }
+  const GdnDims d{hk, hv, dk, dv, C, K, static_cast<float>(eps)};
+  at::Tensor core = gdn_recurrence(d, GdnTensors{conv_w, neg_a, dt_bias, norm_w, conv_cache, ssm_cache}, proj, bt,
+                                   spec_conv, spec_ssm);
+  return {core, spec_conv, spec_ssm};
+}
+
+at::Tensor attention_alone(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& positions, const at::Tensor& qsl, const at::Tensor& block_tables,
+                           int64_t loop_kv_bytes) {
+  check_float(q, "q", 3);
+  check_float(k_cache, "k_cache", 4);
+  check_float(v_cache, "v_cache", 4);
+  const int64_t T = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1), B = qsl.numel() - 1;
+  TORCH_CHECK(nkv > 0 && nh % nkv == 0 && k_cache.size(2) == hd && v_cache.size(2) == nkv && v_cache.size(3) == hd &&
+                  k_cache.size(0) == v_cache.size(0) && k_cache.size(3) == v_cache.size(1),
+              "k_cache [blocks, nkv, hd, block_size], v_cache [blocks, block_size, nkv, hd] for q [T, nh, hd]");
+  TORCH_CHECK(B >= 0, "qsl: [B + 1]");
+  const at::Tensor zeros_b = at::zeros({B}, qsl.options()), slot_mapping = at::zeros({T}, qsl.options());
+  const at::Tensor spec_index = at::full({B}, -1, qsl.options());
+  const Batch bt = make_batch(T, positions, qsl, zeros_b, block_tables, slot_mapping, zeros_b, spec_index, 0, 0);
+  check_batch(bt, -1, k_cache.size(0), v_cache.size(1));
+  at::Tensor out = at::empty({T, nh * hd}, q.options());
+  paged_attention(q, k_cache, v_cache, bt, nullptr, loop_kv_bytes, out);
+  return out.view({T, nh, hd});
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // module_local: the native and the portable build are loaded in one process (the tests), and their
+  // FusedStack types share one C++ name.
+  pybind11::class_<FusedStack>(m, "FusedStack", pybind11::module_local())
+      .def(pybind11::init<std::map<std::string, int64_t>, double, std::map<std::string, at::Tensor>,
+                          const std::vector<std::string>&, std::vector<std::map<std::string, at::Tensor>>, bool>(),
+           pybind11::arg("dims"), pybind11::arg("eps"), pybind11::arg("head"), pybind11::arg("layer_types"),
+           pybind11::arg("layers"), pybind11::arg("mtp"))
+      .def("named_tensors", &FusedStack::named_tensors)
+      .def("forward", &FusedStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("logits", &FusedStack::logits, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("greedy_tokens", &FusedStack::greedy_tokens, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("commit_verified", &FusedStack::commit_verified)
+      .def("greedy_screen_on", &FusedStack::greedy_screen_on)
+      .def("set_greedy_screen", &FusedStack::set_greedy_screen)
+      .def("set_profiling", &FusedStack::set_profiling)
+      .def("profile", &FusedStack::profile)
+      .def("set_loop_kv_bytes", &FusedStack::set_loop_kv_bytes);
+  // The kernels one by one (tests/test_kernels.py tests each against its deltaserve/ops or deltaserve/model
+  // reference). Inputs are checked here; the kernels themselves trust the stack's checks.
+  m.def("linear_panels", &linear_panels_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "y [T, N] = x [T, K] @ w^T through the bf16 panels of w (stack.py's _linear)");
+  m.def("linear", &linear_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "y = x @ cat(parts)^T as the stack projects: through the panels when given, else one GEMM per part");
+  m.def("rms_norm", &rms_norm_alone, "x [T, n] * rsqrt(mean(x^2) + eps) * scale (scale = 1 + RMSNorm.weight)");
+  m.def("gated_rms_norm", &gated_rms_norm_alone, "x * rsqrt(mean(x^2) + eps) * weight * silu(z) over x's last dim");
+  m.def("rotary", &rotary_alone, "x [T, heads, head_dim] with rotate-half RoPE on its first 2 len(inv_freq) dims");
+  m.def("gdn_recurrence", &gdn_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "Gated DeltaNet's conv, recurrence and gated norm on in_proj outputs: (core, verify conv, verify ssm)");
+  m.def("paged_attention", &attention_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "out [T, nh, hd]: each query token's attention over its sequence's cached positions 0 .. positions[t]");
+}

@@ -1,0 +1,196 @@
+#include "gdn.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "norms.h"
+#include "parallel.h"
+#include "simd.h"
+
+namespace deltaserve {
+
+namespace {
+
+// sk = S^T k and sq = S^T q for one head's recurrent state S [dk, dv], in one read of S.
+#if defined(__AVX512F__)
+// N x 16 value dims at a time: 2N accumulators stay in registers while the dk rows stream by.
+template <int N>
+inline void state_times_kq_block(const float* S, int64_t dk, int64_t dv, const float* k, const float* q,
+                                 float* sk, float* sq) {
+  __m512 ak[N], aq[N];
+  for (int c = 0; c < N; ++c) ak[c] = aq[c] = _mm512_setzero_ps();
+  for (int64_t a = 0; a < dk; ++a) {
+    const __m512 ka = _mm512_set1_ps(k[a]), qa = _mm512_set1_ps(q[a]);
+    for (int c = 0; c < N; ++c) {
+      const __m512 row = _mm512_loadu_ps(S + a * dv + 16 * c);
+      ak[c] = _mm512_fmadd_ps(row, ka, ak[c]);
+      aq[c] = _mm512_fmadd_ps(row, qa, aq[c]);
+    }
+  }
+  for (int c = 0; c < N; ++c) {
+    _mm512_storeu_ps(sk + 16 * c, ak[c]);
+    _mm512_storeu_ps(sq + 16 * c, aq[c]);
+  }
+}
+#endif
+
+inline void state_times_kq(const float* S, const float* k, const float* q, int64_t dk, int64_t dv, float* sk,
+                           float* sq) {
+#if defined(__AVX512F__)
+  if (dv % 16 == 0) {
+    for (int64_t j0 = 0; j0 < dv; j0 += 64) {
+      switch (std::min<int64_t>(4, (dv - j0) / 16)) {
+        case 1: state_times_kq_block<1>(S + j0, dk, dv, k, q, sk + j0, sq + j0); break;
+        case 2: state_times_kq_block<2>(S + j0, dk, dv, k, q, sk + j0, sq + j0); break;
+        case 3: state_times_kq_block<3>(S + j0, dk, dv, k, q, sk + j0, sq + j0); break;
+        default: state_times_kq_block<4>(S + j0, dk, dv, k, q, sk + j0, sq + j0); break;
+      }
+    }
+    return;
+  }
+#endif
+  std::fill(sk, sk + dv, 0.0f);
+  std::fill(sq, sq + dv, 0.0f);
+  for (int64_t a = 0; a < dk; ++a) {
+    const float* Sa = S + a * dv;
+    const float ka = k[a], qa = q[a];
+#pragma omp simd
+    for (int64_t j = 0; j < dv; ++j) {
+      sk[j] += Sa[j] * ka;
+      sq[j] += Sa[j] * qa;
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tensor& proj, const Batch& bt,
+                          const at::Tensor& spec_conv, const at::Tensor& spec_ssm) {
+  const int64_t C = d.conv_dim, K = d.kernel, Hv = d.hv, dk = d.dk, dv = d.dv;
+  const int64_t key_dim = d.hk * dk, value_dim = Hv * dv, rep = Hv / d.hk;
+  const int64_t width = C + value_dim + 2 * Hv;  // qkv | z | b | a
+  at::Tensor core = at::empty({bt.T, value_dim}, proj.options());
+  const float* pp = proj.data_ptr<float>();
+  const float* cw = w.conv_w.data_ptr<float>();
+  const float* neg_a = w.neg_a.data_ptr<float>();
+  const float* dt_bias = w.dt_bias.data_ptr<float>();
+  const float* norm_w = w.norm_w.data_ptr<float>();
+  float* conv_cache = w.conv_cache.data_ptr<float>();
+  float* ssm_cache = w.ssm_cache.data_ptr<float>();
+  float* out = core.data_ptr<float>();
+  const int64_t conv_size = C * (K - 1), ssm_size = Hv * dk * dv;
+  float* spec_conv_p = bt.spec_rows ? spec_conv.data_ptr<float>() : nullptr;
+  float* spec_ssm_p = bt.spec_rows ? spec_ssm.data_ptr<float>() : nullptr;
+  const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
+
+  const int64_t work_per_seq = (bt.T / std::max<int64_t>(bt.B, 1) + 1) * Hv * dk * dv * 3;
+  at::parallel_for(0, bt.B, grain_for(work_per_seq), [&](int64_t b0, int64_t b1) {
+    std::vector<float> mixed(C), u(dv), sk(dv), sq(dv);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t state_slot = bt.state_slots[b], row = bt.spec_index[b];
+      const bool fresh = bt.context_lens[b] == 0;
+      float* conv_slot = conv_cache + state_slot * conv_size;
+      float* ssm_slot = ssm_cache + state_slot * ssm_size;
+      const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
+      // The working state: the slot itself, or for a verify segment the per-position copy.
+      float* conv = conv_slot;
+      float* S = ssm_slot;
+      if (fresh && row < 0) {
+        std::fill(conv_slot, conv_slot + conv_size, 0.0f);
+        std::fill(ssm_slot, ssm_slot + ssm_size, 0.0f);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = t0 + i;
+        if (row >= 0) {  // verify: position i starts from position i-1's state (or the slot's)
+          float* conv_i = spec_conv_p + (row * bt.spec_width + i) * conv_size;
+          float* S_i = spec_ssm_p + (row * bt.spec_width + i) * ssm_size;
+          if (fresh && i == 0) {
+            std::fill(conv_i, conv_i + conv_size, 0.0f);
+            std::fill(S_i, S_i + ssm_size, 0.0f);
+          } else {
+            std::memcpy(conv_i, conv, conv_size * sizeof(float));
+            std::memcpy(S_i, S, ssm_size * sizeof(float));
+          }
+          conv = conv_i;
+          S = S_i;
+        }
+        const float* xin = pp + t * width;
+        // causal depthwise conv over [state | x_t], then SiLU; the state shifts by one
+        if (K == 4) {  // the models' kernel size: fixed taps let this loop vectorize
+#pragma omp simd
+          for (int64_t c = 0; c < C; ++c) {
+            float* st = conv + c * 3;
+            const float* wc = cw + c * 4;
+            const float s0 = st[0], s1 = st[1], s2 = st[2], xc = xin[c];
+            st[0] = s1;
+            st[1] = s2;
+            st[2] = xc;
+            mixed[c] = silu(s0 * wc[0] + s1 * wc[1] + s2 * wc[2] + xc * wc[3]);
+          }
+        } else {
+          for (int64_t c = 0; c < C; ++c) {
+            float* st = conv + c * (K - 1);
+            const float* wc = cw + c * K;
+            float acc = 0.0f;
+            for (int64_t j = 0; j < K - 1; ++j) acc += st[j] * wc[j];
+            acc += xin[c] * wc[K - 1];
+            for (int64_t j = 0; j + 1 < K - 1; ++j) st[j] = st[j + 1];
+            st[K - 2] = xin[c];
+            mixed[c] = silu(acc);
+          }
+        }
+        // L2-normalise q and k per key head (q also scaled by dk^-1/2)
+        for (int64_t kh = 0; kh < 2 * d.hk; ++kh) {
+          float* v = mixed.data() + kh * dk;
+          float r = 1.0f / std::sqrt(dot(v, v, dk) + 1e-6f);
+          if (kh < d.hk) r *= q_scale;
+#pragma omp simd
+          for (int64_t j = 0; j < dk; ++j) v[j] *= r;
+        }
+        const float* z = xin + C;
+        const float* braw = xin + C + value_dim;
+        const float* araw = braw + Hv;
+        float* o_t = out + t * value_dim;
+        for (int64_t hv = 0; hv < Hv; ++hv) {
+          const float* q = mixed.data() + (hv / rep) * dk;
+          const float* k = mixed.data() + key_dim + (hv / rep) * dk;
+          const float* v = mixed.data() + 2 * key_dim + hv * dv;
+          const float beta = sigmoid(braw[hv]);
+          const float decay = std::exp(neg_a[hv] * softplus(araw[hv] + dt_bias[hv]));
+          float* Sh = S + hv * dk * dv;
+          // One read pass gives S^T k and S^T q (state_times_kq); then, with
+          //   S' = decay S + k u^T,  u = beta (v - decay S^T k),  o = S'^T q = decay S^T q + (k.q) u,
+          // one pass writes S'. (The reference decays S first; same maths, other rounding order.)
+          const float kq = dot(k, q, dk);
+          float* o = o_t + hv * dv;
+          state_times_kq(Sh, k, q, dk, dv, sk.data(), sq.data());
+#pragma omp simd
+          for (int64_t j = 0; j < dv; ++j) {
+            u[j] = beta * (v[j] - decay * sk[j]);
+            o[j] = decay * sq[j] + kq * u[j];
+          }
+          for (int64_t a = 0; a < dk; ++a) {
+            float* Sa = Sh + a * dv;
+            const float ka = k[a];
+#pragma omp simd
+            for (int64_t j = 0; j < dv; ++j) Sa[j] = Sa[j] * decay + ka * u[j];
+          }
+          gated_rms_norm_row(o, z + hv * dv, norm_w, d.eps, dv);
+        }
+      }
+      if (row >= 0) {  // padding positions of a shorter verify segment keep its last state
+        for (int64_t i = n; i < bt.spec_width; ++i) {
+          std::memcpy(spec_conv_p + (row * bt.spec_width + i) * conv_size, conv, conv_size * sizeof(float));
+          std::memcpy(spec_ssm_p + (row * bt.spec_width + i) * ssm_size, S, ssm_size * sizeof(float));
+        }
+      }
+    }
+  });
+  return core;
+}
+
+}  // namespace deltaserve

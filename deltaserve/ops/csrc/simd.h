@@ -1,0 +1,114 @@
+// Scalar maths written to vectorize (exp, silu, sigmoid, dot), the row softmax, and torch.argmax's rules
+// over a row: the element-wise helpers every kernel of the fused step shares.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace deltaserve {
+
+// exp(x) for fp32 as Cephes computes it (x = n ln2 + r, a degree-6 polynomial for e^r, times 2^n): within
+// 1 ulp of exp over [-87, 88.3] (measured), and written without calls or branches so that loops using it
+// vectorize. Inputs are clamped to that range (e^-87.3 is the smallest normal float; silu and sigmoid of
+// larger |x| are 0 or their asymptote anyway).
+inline float vexp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+inline float silu(float x) { return x / (1.0f + vexp(-x)); }
+inline float sigmoid(float x) { return 1.0f / (1.0f + vexp(-x)); }
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// In-place softmax of one row of n scores.
+inline void softmax_row(float* x, int64_t n) {
+  float mx = -INFINITY;
+  int64_t tail = 0;
+#if defined(__AVX512F__)  // the compiler leaves a max reduction scalar (std::max's NaN order)
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (; tail + 16 <= n; tail += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + tail));
+  mx = _mm512_reduce_max_ps(m);
+#endif
+  for (int64_t i = tail; i < n; ++i) mx = std::max(mx, x[i]);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = vexp(x[i] - mx);
+    sum += x[i];
+  }
+  const float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+// torch.argmax's order: the larger wins, a NaN beats every number, and of equals the first stays.
+inline bool beats(float v, float current) { return v > current || (v != v && current == current); }
+
+// torch.argmax of v[0, n): a vector pass for the maximum (and whether there is a NaN), then vector tests
+// over 16 at a time for the first position that holds it.
+inline int64_t first_argmax(const float* v, int64_t n) {
+#if defined(__AVX512F__)
+  if (n == 64) {  // a full panel's row (kPanel, linear.h), the greedy projection's case: all in four registers
+    __m512 x[4];
+    __mmask16 nan[4];
+    for (int c = 0; c < 4; ++c) {
+      x[c] = _mm512_loadu_ps(v + 16 * c);
+      nan[c] = _mm512_cmp_ps_mask(x[c], x[c], _CMP_UNORD_Q);
+    }
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]))));
+    const bool any_nan = (nan[0] | nan[1] | nan[2] | nan[3]) != 0;
+    for (int c = 0; c < 4; ++c) {
+      const __mmask16 hit = any_nan ? nan[c] : _mm512_cmp_ps_mask(x[c], top, _CMP_EQ_OQ);
+      if (hit != 0) return 16 * c + __builtin_ctz(hit);
+    }
+    return 0;  // unreachable: some lane holds the maximum
+  }
+#endif
+  float best = -INFINITY;
+  int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    best = std::max(best, v[i]);  // a NaN v[i] leaves best as it is: `nan` tracks those
+    nan |= v[i] != v[i];
+  }
+  auto match = [&](int64_t i) { return nan ? v[i] != v[i] : v[i] == best; };
+  for (int64_t c0 = 0; c0 < n; c0 += 16) {
+    const int64_t c1 = std::min(n, c0 + 16);
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int64_t i = c0; i < c1; ++i) hit |= match(i);
+    if (hit) {
+      int64_t at = c0;
+      while (!match(at)) ++at;
+      return at;
+    }
+  }
+  return 0;
+}
+
+}  // namespace deltaserve

@@ -1,0 +1,370 @@
+#include "stack.h"
+
+#include <cstring>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "norms.h"
+#include "parallel.h"
+#include "simd.h"
+
+namespace deltaserve {
+
+namespace {
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    out += (i ? ", " : "") + (shape[i] < 0 ? std::string("*") : std::to_string(shape[i]));
+  }
+  return out + "]";
+}
+
+// One stack's or one layer's tensors by name, each taken with the dtype and exact shape it must have (-1:
+// any size, for the caches' slot and block counts). Errors name the tensor:
+//   layer 1 linear_attn.in_proj_z.weight: expected [48, 48] got [4, 48]
+// and a name left over at the end (misspelt, or not this layer's) is an error too. What is taken is also
+// recorded in `held` (FusedStack::named_tensors).
+class NamedTensors {
+ public:
+  NamedTensors(std::map<std::string, at::Tensor> tensors, std::string where,
+               std::vector<std::pair<std::string, at::Tensor>>& held)
+      : tensors_(std::move(tensors)), where_(std::move(where)), held_(held) {}
+
+  at::Tensor take(const std::string& name, const std::vector<int64_t>& shape, at::ScalarType dtype = at::kFloat) {
+    auto it = tensors_.find(name);
+    TORCH_CHECK(it != tensors_.end(), "FusedStack: ", where_, "missing tensor ", name, " ", shape_text(shape));
+    at::Tensor t = it->second;
+    tensors_.erase(it);
+    bool same = t.dim() == static_cast<int64_t>(shape.size());
+    for (int64_t i = 0; same && i < t.dim(); ++i) same = shape[i] < 0 || t.size(i) == shape[i];
+    TORCH_CHECK(same, "FusedStack: ", where_, name, ": expected ", shape_text(shape), " got ", t.sizes());
+    TORCH_CHECK(t.scalar_type() == dtype, "FusedStack: ", where_, name, ": expected ", dtype, " got ",
+                t.scalar_type());
+    TORCH_CHECK(t.is_contiguous(), "FusedStack: ", where_, name, " must be contiguous");
+    held_.emplace_back(where_ + name, t);
+    return t;
+  }
+
+  // A projection of these row blocks (name, rows) of K inputs each, with its bf16 panels when
+  // `panels_name` is there.
+  Linear projection(const std::vector<std::pair<std::string, int64_t>>& parts, int64_t K,
+                    const std::string& panels_name) {
+    std::vector<at::Tensor> weights;
+    int64_t N = 0;
+    for (const auto& [name, rows] : parts) {
+      weights.push_back(take(name, {rows, K}));
+      N += rows;
+    }
+    at::Tensor panels;
+    if (tensors_.count(panels_name) != 0) {
+      panels = take(panels_name, {(N + kPanel - 1) / kPanel, K, kPanel}, at::kBFloat16);
+    }
+    return make_linear(std::move(weights), panels);
+  }
+
+  void finish() const {
+    for (const auto& [name, t] : tensors_) TORCH_CHECK(false, "FusedStack: ", where_, "unexpected tensor ", name);
+  }
+
+ private:
+  std::map<std::string, at::Tensor> tensors_;
+  std::string where_;
+  std::vector<std::pair<std::string, at::Tensor>>& held_;
+};
+
+Dims dims_by_name(std::map<std::string, int64_t> dims, double eps) {
+  auto take = [&](const std::string& name) {
+    auto it = dims.find(name);
+    TORCH_CHECK(it != dims.end(), "FusedStack: missing dim ", name);
+    const int64_t v = it->second;
+    dims.erase(it);
+    TORCH_CHECK(v > 0, "FusedStack: dim ", name, " = ", v, " must be positive");
+    return v;
+  };
+  Dims d{};
+  d.hidden = take("hidden_size");
+  d.intermediate = take("intermediate_size");
+  d.vocab = take("vocab_size");
+  d.hk = take("linear_num_key_heads");
+  d.hv = take("linear_num_value_heads");
+  d.dk = take("linear_key_head_dim");
+  d.dv = take("linear_value_head_dim");
+  d.kernel = take("linear_conv_kernel_dim");
+  d.nh = take("num_attention_heads");
+  d.nkv = take("num_key_value_heads");
+  d.hd = take("head_dim");
+  d.rotary_dim = take("rotary_dim");
+  d.conv_dim = 2 * d.hk * d.dk + d.hv * d.dv;
+  d.eps = static_cast<float>(eps);
+  for (const auto& [name, v] : dims) TORCH_CHECK(false, "FusedStack: unexpected dim ", name);
+  TORCH_CHECK(d.hv % d.hk == 0, "FusedStack: linear_num_value_heads must be a multiple of linear_num_key_heads");
+  TORCH_CHECK(d.nh % d.nkv == 0, "FusedStack: num_attention_heads must be a multiple of num_key_value_heads");
+  TORCH_CHECK(d.rotary_dim % 2 == 0 && d.rotary_dim <= d.hd, "FusedStack: rotary_dim must be even and <= head_dim");
+  TORCH_CHECK(d.kernel >= 2, "FusedStack: linear_conv_kernel_dim must be at least 2");
+  return d;
+}
+
+}  // namespace
+
+FusedStack::FusedStack(std::map<std::string, int64_t> dims, double eps, std::map<std::string, at::Tensor> head,
+                       const std::vector<std::string>& layer_types,
+                       std::vector<std::map<std::string, at::Tensor>> layers, bool mtp)
+    : d_(dims_by_name(std::move(dims), eps)) {
+  keep_step_memory_on_the_heap();
+  TORCH_CHECK(layer_types.size() == layers.size(), "FusedStack: ", layer_types.size(), " layer types for ",
+              layers.size(), " layers");
+  const int64_t H = d_.hidden, I = d_.intermediate, V = d_.vocab;
+  NamedTensors top(std::move(head), "", held_);
+  embed_ = top.take("embed_tokens.weight", {V, H});
+  final_scale_ = top.take("norm.scale", {H});
+  inv_freq_ = top.take("rotary.inv_freq", {d_.rotary_dim / 2});
+  lm_head_ = top.projection({{"lm_head.weight", V}}, H, "lm_head.panels");
+  if (lm_head_.panels.defined()) {
+    greedy_screen_ = make_greedy_screen(lm_head_);
+#if defined(__AVX512BF16__)  // the portable build's GreedyScreen is empty
+    if (ready(greedy_screen_)) {
+      held_.emplace_back("lm_head.screen.pairs", greedy_screen_.pairs);
+      held_.emplace_back("lm_head.screen.norms", greedy_screen_.norms);
+      held_.emplace_back("lm_head.screen.bias", greedy_screen_.bias);
+    }
+#endif
+  }
+  if (mtp) {
+    fc_ = top.projection({{"fc.weight", H}}, 2 * H, "fc.panels");
+    pre_embed_scale_ = top.take("pre_fc_norm_embedding.scale", {H});
+    pre_hidden_scale_ = top.take("pre_fc_norm_hidden.scale", {H});
+  }
+  top.finish();
+  const int64_t value_dim = d_.hv * d_.dv, q_width = 2 * d_.nh * d_.hd, kv_rows = d_.nkv * d_.hd;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    TORCH_CHECK(layer_types[i] == "linear_attention" || layer_types[i] == "full_attention", "FusedStack: layer ",
+                i, " has type ", layer_types[i], ", not linear_attention or full_attention");
+    NamedTensors w(std::move(layers[i]), "layer " + std::to_string(i) + " ", held_);
+    Layer l;
+    l.gdn = layer_types[i] == "linear_attention";
+    l.in_scale = w.take("input_layernorm.scale", {H});
+    l.post_scale = w.take("post_attention_layernorm.scale", {H});
+    l.gate_up_w = w.projection({{"mlp.gate_proj.weight", I}, {"mlp.up_proj.weight", I}}, H, "mlp.gate_up_proj.panels");
+    l.down_w = w.projection({{"mlp.down_proj.weight", H}}, I, "mlp.down_proj.panels");
+    if (l.gdn) {
+      l.g.in_w = w.projection({{"linear_attn.in_proj_qkv.weight", d_.conv_dim},
+                               {"linear_attn.in_proj_z.weight", value_dim},
+                               {"linear_attn.in_proj_b.weight", d_.hv},
+                               {"linear_attn.in_proj_a.weight", d_.hv}},
+                              H, "linear_attn.in_proj.panels");
+      l.g.t.conv_w = w.take("linear_attn.conv1d.weight", {d_.conv_dim, d_.kernel});
+      l.g.t.neg_a = w.take("linear_attn.neg_a", {d_.hv});
+      l.g.t.dt_bias = w.take("linear_attn.dt_bias", {d_.hv});
+      l.g.t.norm_w = w.take("linear_attn.norm.weight", {d_.dv});
+      l.g.out_w = w.projection({{"linear_attn.out_proj.weight", H}}, value_dim, "linear_attn.out_proj.panels");
+      l.g.t.conv_cache = w.take("conv_cache", {num_slots_, d_.conv_dim, d_.kernel - 1});
+      l.g.t.ssm_cache = w.take("ssm_cache", {num_slots_, d_.hv, d_.dk, d_.dv});
+      num_slots_ = l.g.t.conv_cache.size(0);  // every GDN layer's caches have this many slots
+    } else {
+      l.a.qkv_w = w.projection({{"self_attn.q_proj.weight", q_width},
+                                {"self_attn.k_proj.weight", kv_rows},
+                                {"self_attn.v_proj.weight", kv_rows}},
+                               H, "self_attn.qkv_proj.panels");
+      if (l.a.qkv_w.panels.defined() && q_width % kPanel == 0) {  // k | v alone: the q panels end there
+        const at::Tensor& panels = l.a.qkv_w.panels;
+        l.a.kv_w = make_linear({l.a.qkv_w.parts[1], l.a.qkv_w.parts[2]},
+                               panels.narrow(0, q_width / kPanel, panels.size(0) - q_width / kPanel));
+      }
+      l.a.q_scale = w.take("self_attn.q_norm.scale", {d_.hd});
+      l.a.k_scale = w.take("self_attn.k_norm.scale", {d_.hd});
+      l.a.o_w = w.projection({{"self_attn.o_proj.weight", H}}, d_.nh * d_.hd, "self_attn.o_proj.panels");
+      const int64_t block_size = num_blocks_ < 0 ? -1 : block_size_;  // -1 until the first attention layer's
+      l.a.k_cache = w.take("k_cache", {num_blocks_, d_.nkv, d_.hd, block_size});
+      l.a.v_cache = w.take("v_cache", {num_blocks_, block_size, d_.nkv, d_.hd});
+      TORCH_CHECK(l.a.k_cache.size(0) == l.a.v_cache.size(0) && l.a.k_cache.size(3) == l.a.v_cache.size(1),
+                  "FusedStack: layer ", i, " k_cache ", l.a.k_cache.sizes(), " and v_cache ", l.a.v_cache.sizes(),
+                  " must have the same blocks of the same size");
+      num_blocks_ = l.a.v_cache.size(0), block_size_ = l.a.v_cache.size(1);  // and every attention layer's these
+    }
+    w.finish();
+    layers_.push_back(std::move(l));
+  }
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> FusedStack::forward(
+    const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& qsl,
+    const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& slot_mapping,
+    const at::Tensor& state_slots, const at::Tensor& spec_index, int64_t spec_rows, int64_t spec_width,
+    const at::Tensor& hidden_in, const std::optional<at::Tensor>& output_rows) {
+  TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() && input_ids.dim() == 1,
+              "FusedStack: index tensors are int64");
+  const Batch bt = make_batch(input_ids.size(0), positions, qsl, context_lens, block_tables, slot_mapping,
+                              state_slots, spec_index, spec_rows, spec_width);
+  check_batch(bt, num_slots_, num_blocks_, block_size_);
+  const bool select = output_rows.has_value() && output_rows->numel() < bt.T;
+  OutputRows out;
+  if (select) {
+    TORCH_CHECK(output_rows->dim() == 1 && output_rows->scalar_type() == at::kLong && output_rows->is_contiguous(),
+                "FusedStack: output_rows is int64 [R]");
+    out.rows = *output_rows;
+    out.wanted.assign(bt.T, 0);
+    const int64_t* rp = output_rows->data_ptr<int64_t>();
+    for (int64_t r = 0; r < output_rows->numel(); ++r) {
+      TORCH_CHECK(rp[r] >= 0 && rp[r] < bt.T && (r == 0 || rp[r] > rp[r - 1]),
+                  "FusedStack: output_rows must ascend within [0, ", bt.T, ")");
+      out.wanted[rp[r]] = 1;
+    }
+  }
+  Timed whole(slot(kForward));
+
+  std::vector<float> cos, sin;
+  rope_tables(bt.positions, bt.T, inv_freq_.data_ptr<float>(), d_.rotary_dim / 2, cos, sin);
+
+  std::vector<at::Tensor> spec_conv, spec_ssm;
+  at::Tensor x = embed_.index_select(0, input_ids);  // [T, hidden]
+  if (fc_.defined()) {
+    TORCH_CHECK(hidden_in.sizes() == x.sizes() && hidden_in.scalar_type() == at::kFloat,
+                "FusedStack: the MTP head needs the trunk hidden of every token, [T, hidden] float32");
+    at::Tensor both = at::cat({rms_norm_rows(x, pre_embed_scale_, d_.eps),
+                               rms_norm_rows(hidden_in.contiguous(), pre_hidden_scale_, d_.eps)}, 1);
+    x = project(fc_, both);
+  }
+  for (Layer& l : layers_) {
+    const OutputRows* only = select && &l == &layers_.back() ? &out : nullptr;
+    at::Tensor h = rms_norm_rows(x, l.in_scale, d_.eps);
+    at::Tensor mix;
+    if (l.gdn) {
+      at::Tensor conv_states, ssm_states;
+      if (spec_rows > 0) {
+        conv_states = at::empty({spec_rows, spec_width, d_.conv_dim, d_.kernel - 1}, x.options());
+        ssm_states = at::empty({spec_rows, spec_width, d_.hv, d_.dk, d_.dv}, x.options());
+        spec_conv.push_back(conv_states);
+        spec_ssm.push_back(ssm_states);
+      }
+      mix = gdn(l.g, h, bt, conv_states, ssm_states, only);
+    } else {
+      mix = attention(l.a, h, bt, cos.data(), sin.data(), only);
+    }
+    if (only != nullptr) x = x.index_select(0, only->rows);
+    x.add_(mix);
+    at::Tensor gu = project(l.gate_up_w, rms_norm_rows(x, l.post_scale, d_.eps));  // [rows, 2I]
+    const int64_t I = d_.intermediate, rows = x.size(0);
+    at::Tensor act = at::empty({rows, I}, x.options());
+    const float* gp = gu.data_ptr<float>();
+    float* ap = act.data_ptr<float>();
+    for (int64_t t = 0; t < rows; ++t) {
+#pragma omp simd
+      for (int64_t j = 0; j < I; ++j) ap[t * I + j] = silu(gp[t * 2 * I + j]) * gp[t * 2 * I + I + j];
+    }
+    x.add_(project(l.down_w, act));
+  }
+  return {rms_norm_rows(x, final_scale_, d_.eps), spec_conv, spec_ssm};
+}
+
+at::Tensor FusedStack::logits(const at::Tensor& hidden) {
+  check_hidden(hidden);
+  return project(lm_head_, hidden.contiguous());
+}
+
+at::Tensor FusedStack::greedy_tokens(const at::Tensor& hidden) {
+  check_hidden(hidden);
+  const at::Tensor h = hidden.contiguous();
+  at::Tensor out = at::empty({h.size(0)}, h.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  if (lm_head_.panels.defined()) {
+    Timed timed(slot(kProjections));
+    if (greedy_screen_on() && h.size(0) >= kMinScreenedRows) {
+      screened_greedy(h, greedy_screen_, lm_head_, op);
+    } else {
+      linear_panels(h, lm_head_.panels, lm_head_.N, op);
+    }
+    return out;
+  }
+  const at::Tensor scores = logits(h);
+  const int64_t R = scores.size(0), V = scores.size(1);
+  const float* sp = scores.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) op[r] = first_argmax(sp + r * V, V);
+  return out;
+}
+
+void FusedStack::commit_verified(const std::vector<at::Tensor>& conv_states, const std::vector<at::Tensor>& ssm_states,
+                     const at::Tensor& slots, const at::Tensor& pick) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && pick.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  pick.is_contiguous() && slots.dim() == 1 && pick.sizes() == slots.sizes(),
+              "commit_verified: slots and pick are int64 [S]");
+  const int64_t S = slots.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* pp = pick.data_ptr<int64_t>();
+  size_t g = 0;
+  for (const Layer& l : layers_) {
+    if (!l.gdn) continue;
+    TORCH_CHECK(g < conv_states.size() && g < ssm_states.size(), "commit_verified: one state pair per GDN layer");
+    for (const auto& [states, cache] :
+         {std::pair{conv_states[g], l.g.t.conv_cache}, {ssm_states[g], l.g.t.ssm_cache}}) {
+      const int64_t row = cache.numel() / cache.size(0);
+      TORCH_CHECK(states.scalar_type() == at::kFloat && states.is_contiguous() && states.dim() >= 2 &&
+                      states.size(0) == S && states.numel() == S * states.size(1) * row,
+                  "commit_verified: states must be contiguous float32 [S, L, ...] of the cache's rows");
+      const int64_t L = states.size(1);
+      float* to = cache.data_ptr<float>();
+      const float* from = states.data_ptr<float>();
+      for (int64_t r = 0; r < S; ++r) {
+        TORCH_CHECK(sp[r] >= 0 && sp[r] < cache.size(0) && pp[r] >= 0 && pp[r] < L,
+                    "commit_verified: slot or position out of range");
+        std::memcpy(to + sp[r] * row, from + (r * L + pp[r]) * row, row * sizeof(float));
+      }
+    }
+    ++g;
+  }
+  TORCH_CHECK(g == conv_states.size() && g == ssm_states.size(), "commit_verified: one state pair per GDN layer");
+}
+
+std::vector<double> FusedStack::profile() {
+  std::vector<double> out(spent_.begin(), spent_.end());
+  spent_.fill(0.0);
+  return out;
+}
+
+void FusedStack::check_hidden(const at::Tensor& hidden) const {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.size(1) == lm_head_.K,
+              "FusedStack: hidden rows must be float32 [R, ", lm_head_.K, "]");
+}
+
+at::Tensor FusedStack::project(const Linear& l, const at::Tensor& x) {
+  Timed timed(slot(kProjections));
+  return apply(l, x);
+}
+
+at::Tensor FusedStack::gdn(const GdnWeights& w, const at::Tensor& h, const Batch& bt, const at::Tensor& spec_conv,
+                           const at::Tensor& spec_ssm, const OutputRows* only) {
+  const at::Tensor proj = project(w.in_w, h);  // [T, conv_dim + value_dim + 2 hv]: qkv | z | b | a
+  at::Tensor core;
+  {
+    Timed timed(slot(kRecurrence));
+    core = gdn_recurrence(d_.gdn(), w.t, proj, bt, spec_conv, spec_ssm);
+  }
+  return project(w.out_w, only != nullptr ? core.index_select(0, only->rows) : core);
+}
+
+at::Tensor FusedStack::attention(const AttnWeights& w, const at::Tensor& h, const Batch& bt, const float* cos,
+                                 const float* sin, const OutputRows* only) {
+  const int64_t nh = d_.nh, nkv = d_.nkv, hd = d_.hd;
+  const int64_t q_width = 2 * nh * hd, width = q_width + 2 * nkv * hd;
+  at::Tensor proj;  // [T, width]: per head q | gate, then k, then v
+  if (only != nullptr && w.kv_w.defined()) {  // q | gate only for the wanted rows (the others' stay unset)
+    proj = at::empty({bt.T, width}, h.options());
+    proj.narrow(1, q_width, width - q_width).copy_(project(w.kv_w, h));
+    proj.index_copy_(0, only->rows, project(w.qkv_w, h.index_select(0, only->rows)));
+  } else {
+    proj = project(w.qkv_w, h);
+  }
+  at::Tensor attn = at::empty({bt.T, nh * hd}, h.options());
+  {
+    Timed timed(slot(kAttention));
+    const char* wanted = only != nullptr ? only->wanted.data() : nullptr;
+    norm_rope_and_cache(d_.attention(), proj, w.q_scale, w.k_scale, w.k_cache, w.v_cache, bt, cos, sin, wanted);
+    const at::Tensor q = proj.narrow(1, 0, q_width).view({bt.T, nh, 2 * hd}).narrow(2, 0, hd);
+    paged_attention(q, w.k_cache, w.v_cache, bt, wanted, loop_kv_bytes_, attn);
+    output_gate(proj, nh, hd, wanted, attn);
+  }
+  return project(w.o_w, only != nullptr ? attn.index_select(0, only->rows) : attn);
+}
+
+}  // namespace deltaserve

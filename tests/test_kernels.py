@@ -1,0 +1,226 @@
+"""Each kernel of the fused C++ step (deltaserve/ops/csrc) alone against its reference in deltaserve/ops or
+deltaserve/model, on random inputs: the projections (fp32 row blocks and bf16 panels), RMSNorm and gated
+RMSNorm, RoPE, the GDN conv + recurrence (prompt, decode and verify tokens, from zero and from a given
+state) and the paged attention loop (decode and prompt chunks, GQA groups, partial last blocks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve.executor.fused_cpu.stack import _linear
+from deltaserve.model.gdn import l2norm
+from deltaserve.model.layers import GatedRMSNorm, RMSNorm, RotaryEmbedding
+from deltaserve.ops.attention import decode_attention, prefill_attention
+from deltaserve.ops.conv import causal_conv1d_reference
+from deltaserve.ops.delta_rule import delta_rule_reference
+from deltaserve.ops.fused_ext import load_extension
+
+TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 rounding: the kernels sum in other orders than torch
+# the recurrence carries its rounding from token to token (states of unit scale, outputs after a norm)
+GDN_TOL = dict(atol=5e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def ext(request):
+    """Both builds of the C++ step: for this CPU (-march=native), and portable (-march=x86-64-v2, where the
+    sources' non-AVX-512 branches are compiled)."""
+    return load_extension(portable=request.param == "portable")
+
+
+# ---- projections ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 97, 200])
+def test_panel_projection_matches_torch_linear(ext, rows: int) -> None:
+    """The bf16 panel kernel alone against F.linear: row tails of 1-5, row blocks of 96, output counts that
+    are not multiples of 64 (a partial last panel), odd K."""
+    g = torch.Generator().manual_seed(rows)
+    for n_out, k_in in [(64, 16), (70, 33), (130, 192)]:
+        weight = torch.randn(n_out, k_in, generator=g).bfloat16().float()
+        x = torch.randn(rows, k_in, generator=g)
+        _, panels = _linear([weight])
+        assert panels.numel() > 0  # bf16-valued weights get panels
+        got = ext.linear_panels(x, panels, n_out)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_panel_projection_with_an_output_written_around_the_caches(ext) -> None:
+    """An output over 4 MB (a long prompt chunk's) is written with non-temporal stores: the same numbers as
+    the same rows projected a few at a time, and a partial last panel still lands in place."""
+    g = torch.Generator().manual_seed(0)
+    n_out, k_in = 528, 64  # 8 full panels and one of 16 outputs; 2048 x 528 floats is 4.3 MB
+    weight = torch.randn(n_out, k_in, generator=g).bfloat16().float()
+    x = torch.randn(2048, k_in, generator=g)
+    _, panels = _linear([weight])
+    got = ext.linear_panels(x, panels, n_out)
+    assert torch.equal(got, torch.cat([ext.linear_panels(rows, panels, n_out) for rows in x.split(96)]))
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bf16_values", [False, True], ids=["fp32", "bf16-values"])
+@pytest.mark.parametrize("rows", [1, 7, 100])
+def test_a_projection_of_row_blocks_is_the_linear_of_their_concatenation(ext, rows: int, bf16_values: bool) -> None:
+    """The stack's projections take the model's weights as row blocks (gate | up, q | k | v, ...): one GEMM
+    per block into its columns, or the panels of all of them."""
+    g = torch.Generator().manual_seed(rows)
+    parts = [torch.randn(n, 40, generator=g) for n in (48, 24, 3)]
+    if bf16_values:
+        parts = [p.bfloat16().float() for p in parts]
+    x = torch.randn(rows, 40, generator=g)
+    expected = F.linear(x, torch.cat(parts))
+    blocks, panels = _linear(parts)
+    assert all(b.data_ptr() == p.data_ptr() for b, p in zip(blocks, parts))  # the weights themselves
+    assert (panels.numel() > 0) == bf16_values
+    torch.testing.assert_close(ext.linear(x, parts, None), expected, **TOL)
+    torch.testing.assert_close(ext.linear(x, parts[:1], None), F.linear(x, parts[0]), **TOL)
+    if bf16_values:
+        torch.testing.assert_close(ext.linear(x, parts, panels), expected, **TOL)
+
+
+# ---- norms and rotary ----------------------------------------------------------------------------------
+def norm_rows(T: int, n: int, g: torch.Generator) -> torch.Tensor:
+    """Rows of every scale, down to ones whose mean square is near eps (where eps decides the result)."""
+    x = torch.randn(T, n, generator=g)
+    return x * torch.logspace(-4, 1, T)[:, None]
+
+
+def test_rms_norm_matches_the_model_norm(ext) -> None:
+    g = torch.Generator().manual_seed(0)
+    for n in (16, 37, 192):
+        norm = RMSNorm(n, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(n, generator=g) * 0.3)
+        x = norm_rows(12, n, g)
+        with torch.no_grad():
+            torch.testing.assert_close(ext.rms_norm(x, 1.0 + norm.weight, norm.eps), norm(x), **TOL)
+
+
+def test_gated_rms_norm_matches_the_model_norm(ext) -> None:
+    g = torch.Generator().manual_seed(1)
+    for n in (12, 32, 64):
+        norm = GatedRMSNorm(n, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(n, generator=g) * 0.3 + 1)
+        x = norm_rows(12, 3 * n, g).view(12, 3, n)
+        z = torch.randn(12, 3, n, generator=g) * 3
+        with torch.no_grad():
+            torch.testing.assert_close(ext.gated_rms_norm(x, z, norm.weight, norm.eps), norm(x, z), **TOL)
+
+
+@pytest.mark.parametrize("rotary_dim", [8, 16, 32], ids=["partial-0.25", "partial-0.5", "full"])
+def test_rotary_matches_the_model_rotary(ext, rotary_dim: int) -> None:
+    g = torch.Generator().manual_seed(rotary_dim)
+    rope = RotaryEmbedding(rotary_dim, theta=10_000_000.0)
+    positions = torch.randint(0, 4096, (9,), generator=g)
+    x = torch.randn(9, 3, 32, generator=g)
+    cos, sin = rope.cos_sin(positions)
+    torch.testing.assert_close(ext.rotary(x, positions, rope.inv_freq), rope(x, cos, sin), **TOL)
+
+
+# ---- Gated DeltaNet ------------------------------------------------------------------------------------
+def gdn_reference(x, conv_w, neg_a, dt_bias, norm_w, conv_state, ssm_state, hk: int, dk: int, eps: float):
+    """deltaserve/model/gdn.py between in_proj and out_proj, from the ops references, for one sequence:
+    (core [T, hv dv], conv state after, recurrent state after)."""
+    C, hv, dv = conv_w.shape[0], neg_a.numel(), norm_w.numel()
+    T, rep = x.shape[0], hv // hk
+    qkv, z, b, a = x.split([C, hv * dv, hv, hv], dim=-1)
+    mixed, conv_state = causal_conv1d_reference(qkv, conv_w, conv_state)
+    q, k, v = F.silu(mixed).split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q = (l2norm(q.reshape(T, hk, dk)) * dk**-0.5).repeat_interleave(rep, dim=1)
+    k = l2norm(k.reshape(T, hk, dk)).repeat_interleave(rep, dim=1)
+    decay = neg_a * F.softplus(a + dt_bias)
+    o, ssm_state = delta_rule_reference(q, k, v.reshape(T, hv, dv), decay, b.sigmoid(), ssm_state)
+    norm = GatedRMSNorm(dv, eps)
+    with torch.no_grad():
+        norm.weight.copy_(norm_w)
+        return norm(o, z.reshape(T, hv, dv)).reshape(T, hv * dv), conv_state, ssm_state
+
+
+# (query length, starts from zeros, verify segment): a prompt, a continued chunk, decodes from a given
+# state and from zeros, verify segments of 3 (from a given state) and 2 (from zeros, shorter than the width)
+GDN_SEQS = [(7, True, False), (5, False, False), (1, False, False), (1, True, False), (3, False, True),
+            (2, True, True)]
+
+
+@pytest.mark.parametrize("kernel", [4, 3], ids=["kernel-4", "kernel-3"])
+@pytest.mark.parametrize("dk, dv", [(16, 32), (8, 12)], ids=["dv-32", "dv-12"])
+def test_gdn_recurrence_matches_the_ops_reference(ext, kernel: int, dk: int, dv: int) -> None:
+    hk, hv, eps, width = 2, 4, 1e-6, 3
+    C = 2 * hk * dk + hv * dv
+    g = torch.Generator().manual_seed(kernel * 100 + dv)
+    B = len(GDN_SEQS)
+    lens = [n for n, _, _ in GDN_SEQS]
+    qsl = torch.tensor([0] + lens).cumsum(0)
+    T = int(qsl[-1])
+    x = torch.randn(T, C + hv * dv + 2 * hv, generator=g)
+    conv_w = torch.randn(C, kernel, generator=g) * 0.5
+    neg_a = -torch.empty(hv).uniform_(0.5, 8, generator=g)
+    dt_bias = torch.randn(hv, generator=g) * 0.5
+    norm_w = torch.randn(dv, generator=g) * 0.2 + 1
+    slots = torch.tensor([4, 0, 5, 2, 1, 3])  # one spare slot (6) that nothing touches
+    conv_cache = torch.randn(B + 1, C, kernel - 1, generator=g)
+    ssm_cache = torch.randn(B + 1, hv, dk, dv, generator=g)
+    context = torch.tensor([0 if fresh else 9 for _, fresh, _ in GDN_SEQS])
+    spec_index = torch.full((B,), -1)
+    spec_index[[b for b, (_, _, verify) in enumerate(GDN_SEQS) if verify]] = torch.arange(2)
+    conv_after, ssm_after = conv_cache.clone(), ssm_cache.clone()
+    core, spec_conv, spec_ssm = ext.gdn_recurrence(
+        x, conv_w, neg_a, dt_bias, norm_w, conv_after, ssm_after, qsl, context, slots, spec_index, width, eps
+    )
+    assert spec_conv.shape == (2, width, C, kernel - 1) and spec_ssm.shape == (2, width, hv, dk, dv)
+    for b, (n, fresh, verify) in enumerate(GDN_SEQS):
+        s, e, slot = int(qsl[b]), int(qsl[b + 1]), int(slots[b])
+        conv0 = torch.zeros(C, kernel - 1) if fresh else conv_cache[slot]
+        ssm0 = torch.zeros(hv, dk, dv) if fresh else ssm_cache[slot]
+        args = (conv_w, neg_a, dt_bias, norm_w)
+        out, conv1, ssm1 = gdn_reference(x[s:e], *args, conv0, ssm0, hk, dk, eps)
+        torch.testing.assert_close(core[s:e], out, **GDN_TOL)
+        if not verify:
+            torch.testing.assert_close(conv_after[slot], conv1, **GDN_TOL)
+            torch.testing.assert_close(ssm_after[slot], ssm1, **GDN_TOL)
+            continue
+        assert torch.equal(conv_after[slot], conv_cache[slot]) and torch.equal(ssm_after[slot], ssm_cache[slot])
+        row = int(spec_index[b])
+        for i in range(width):  # the states after each position; padding positions keep the last one
+            _, conv_i, ssm_i = gdn_reference(x[s : s + min(i + 1, n)], *args, conv0, ssm0, hk, dk, eps)
+            torch.testing.assert_close(spec_conv[row, i], conv_i, **GDN_TOL)
+            torch.testing.assert_close(spec_ssm[row, i], ssm_i, **GDN_TOL)
+    assert torch.equal(conv_after[B], conv_cache[B]) and torch.equal(ssm_after[B], ssm_cache[B])
+
+
+# ---- paged attention -----------------------------------------------------------------------------------
+# (query tokens, positions they end at): decodes at 1, 16 (a full block), 37 and 50 positions (partial last
+# blocks), a verify-like segment of 3, a continued chunk of 20 over 37 and a fresh prompt of 18
+ATTN_SEQS = [(1, 1), (1, 16), (1, 37), (1, 50), (3, 41), (20, 37), (18, 18)]
+
+
+@pytest.mark.parametrize("nh, nkv, hd, block_size", [
+    (8, 2, 64, 16), (6, 1, 32, 16), (8, 1, 64, 16), (3, 3, 48, 16), (12, 1, 16, 16), (4, 2, 16, 8),
+], ids=["group-4", "group-6", "group-8", "group-1-hd48", "group-12", "block-8"])
+@pytest.mark.parametrize("prompts", ["loop", "torch-kernel"])
+def test_paged_attention_matches_the_ops_reference(ext, nh: int, nkv: int, hd: int, block_size: int,
+                                                   prompts: str) -> None:
+    g = torch.Generator().manual_seed(nh * 1000 + hd + block_size)
+    need = [-(-L // block_size) for _, L in ATTN_SEQS]
+    num_blocks = sum(need) + 3
+    order = torch.randperm(num_blocks, generator=g).tolist()  # each sequence's blocks scattered in the cache
+    width = max(need) + 1  # tables padded past their last block
+    tables = torch.zeros(len(ATTN_SEQS), width, dtype=torch.long)
+    for b, n_blocks in enumerate(need):
+        tables[b, :n_blocks] = torch.tensor(order[:n_blocks])
+        order = order[n_blocks:]
+    positions = torch.cat([torch.arange(L - n, L) for n, L in ATTN_SEQS])
+    qsl = torch.tensor([0] + [n for n, _ in ATTN_SEQS]).cumsum(0)
+    q = torch.randn(int(qsl[-1]), nh, hd, generator=g)
+    k_cache = torch.randn(num_blocks, nkv, hd, block_size, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, nkv, hd, generator=g)
+    loop_kv_bytes = 8 << 20 if prompts == "loop" else 0  # 0: chunks of more than 16 tokens to torch's kernel
+    got = ext.paged_attention(q, k_cache, v_cache, positions, qsl, tables, loop_kv_bytes)
+    scale = hd**-0.5
+    for b, (n, L) in enumerate(ATTN_SEQS):
+        s, e = int(qsl[b]), int(qsl[b + 1])
+        if n == 1:
+            expected = decode_attention(q[s:e], k_cache, v_cache, tables[b : b + 1], torch.tensor([L]), scale)
+        else:
+            expected = prefill_attention(q[s:e], k_cache, v_cache, tables[b], L, scale)
+        torch.testing.assert_close(got[s:e], expected, **TOL)
