@@ -42,6 +42,7 @@ class Tokenizer:
         generation_eos: list[int] | None = None,
     ) -> None:
         self._tok = tokenizer
+        self._max_token_chars: int | None = None
         self.config = dict(config or {})
         self.chat_template = chat_template
         self.special_tokens: dict[str, str] = {}
@@ -98,7 +99,17 @@ class Tokenizer:
         return self.special_tokens.get("eos_token")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while the Rust side works (encode does not): a server tokenizing
+        # a long prompt in a worker thread keeps its event loop, and every other stream, running.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry (added tokens included): no token covers more text,
+        so a prompt has at least about len(text) / max_token_chars tokens."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
+        return self._max_token_chars
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids and, per id, the [start, end) character span of `text` it came from (the inspector shows how
@@ -157,6 +168,10 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from e
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            # Python errors inside the template's own expressions (a filter given a value of the wrong
+            # type, a field the conversation lacks): the conversation does not fit the template.
+            raise ChatTemplateError(f"chat template error: {type(e).__name__}: {e}") from e
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -180,6 +195,8 @@ def _raise_exception(message: str) -> None:
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     # jinja's own tojson HTML-escapes (<, >, &, '); chat templates expect plain JSON, as transformers gives.
+    if isinstance(x, jinja2.Undefined):
+        raise jinja2.exceptions.UndefinedError("tojson was given an undefined value (a field the message lacks)")
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 

@@ -12,8 +12,9 @@ from deltaserve.engine.detokenizer import stop_holdback
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling import SamplingParams
 from deltaserve.serve.chat import render_chat_prompt
-from deltaserve.serve.logprobs import chat_logprobs
-from deltaserve.serve.params import to_sampling_params
+from deltaserve.serve.errors import APIError
+from deltaserve.serve.logprobs import chat_logprobs, prompt_logprobs_field
+from deltaserve.serve.params import RequestRules, to_sampling_params
 from deltaserve.serve.protocol import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -26,6 +27,7 @@ from deltaserve.serve.protocol import (
     random_id,
 )
 from deltaserve.serve.reasoning import StreamingReasoningParser, split_reasoning, thinking_open
+from deltaserve.serve.scoring import TokenScore
 from deltaserve.serve.streaming import DONE, ChoiceCursor, sse, sse_error
 
 
@@ -38,12 +40,20 @@ class PreparedChat:
     thinking: bool
 
 
-def prepare_chat(engine: AsyncEngine, req: ChatCompletionRequest) -> PreparedChat:
+def prepare_chat(
+    engine: AsyncEngine, req: ChatCompletionRequest, rules: RequestRules | None = None
+) -> PreparedChat:
+    """Template, tokenize and check one request: run it off the event loop."""
+    if req.stream and req.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs is not supported with stream on chat completions; use "
+                       "stream: false or /v1/completions", param="prompt_logprobs")
     prompt = render_chat_prompt(
         engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs
     )
+    if rules is not None:
+        rules.check_text_length(prompt, engine.max_model_len, "messages")
     ids = engine.tokenizer.encode(prompt)
-    params = to_sampling_params(req, len(ids), engine.max_model_len)
+    params = to_sampling_params(req, len(ids), engine.max_model_len, rules)
     return PreparedChat(random_id("chatcmpl"), prompt, ids, params, thinking_open(prompt))
 
 
@@ -57,7 +67,12 @@ def _usage(out: RequestOutput) -> UsageInfo:
 
 
 def chat_response(
-    engine: AsyncEngine, req: ChatCompletionRequest, prep: PreparedChat, out: RequestOutput, model: str
+    engine: AsyncEngine,
+    req: ChatCompletionRequest,
+    prep: PreparedChat,
+    out: RequestOutput,
+    model: str,
+    prompt_scores: list[TokenScore | None] | None = None,
 ) -> ChatCompletionResponse:
     choices = []
     for c in out.outputs:
@@ -76,7 +91,14 @@ def chat_response(
                 stop_reason=c.stop_reason,
             )
         )
-    return ChatCompletionResponse(id=prep.request_id, model=model, choices=choices, usage=_usage(out))
+    prompt_logprobs = None
+    if prompt_scores is not None and req.prompt_logprobs is not None:
+        prompt_logprobs = prompt_logprobs_field(
+            engine.tokenizer, prep.prompt_token_ids, prompt_scores, req.prompt_logprobs
+        )
+    return ChatCompletionResponse(
+        id=prep.request_id, model=model, choices=choices, usage=_usage(out), prompt_logprobs=prompt_logprobs
+    )
 
 
 async def chat_stream(

@@ -1,0 +1,43 @@
+"""Default sampling parameters from the model's generation_config.json, as vLLM applies them
+(`--generation-config auto`, its default): a request's own values win, the file fills what it leaves out,
+SamplingParams' defaults the rest. `vllm` ignores the file; a folder path reads the file from there."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from deltaserve.sampling import SamplingParams
+
+log = logging.getLogger("deltaserve.serve")
+
+# generation_config.json name -> SamplingParams name (vLLM's list)
+_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_dir: Path, mode: str = "auto") -> dict[str, Any]:
+    if mode == "vllm":
+        return {}
+    folder = model_dir if mode == "auto" else Path(mode)
+    path = folder / "generation_config.json"
+    if not path.exists():
+        if mode != "auto":
+            raise ValueError(f"--generation-config {mode}: there is no generation_config.json in {folder}")
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    defaults = {ours: data[theirs] for theirs, ours in _FIELDS.items() if data.get(theirs) is not None}
+    try:
+        SamplingParams(**defaults)  # a bad value fails here, at start, not in every request
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e} (pass --generation-config vllm to ignore the file)") from e
+    if defaults:
+        log.info("default sampling parameters from %s (a request's own values win): %s", path, defaults)
+    return defaults
