@@ -78,13 +78,13 @@ class Tokenizer:
             tok = HFTokenizer.from_file(str(tok_file))
         except Exception as e:  # the Rust side raises plain Exception subclasses
             raise TokenizerError(f"{tok_file} could not be loaded: {e}") from e
-        config = _read_json(path / "tokenizer_config.json") or {}
+        config = read_json_object(path / "tokenizer_config.json") or {}
         template = _pick_template(config.get("chat_template"))
         # Newer transformers saves the template beside the config rather than inside it.
         jinja_file = path / "chat_template.jinja"
         if template is None and jinja_file.exists():
             template = jinja_file.read_text(encoding="utf-8")
-        gen = _read_json(path / "generation_config.json") or {}
+        gen = read_json_object(path / "generation_config.json") or {}
         gen_eos = gen.get("eos_token_id")
         gen_eos_ids = [] if gen_eos is None else ([gen_eos] if isinstance(gen_eos, int) else list(gen_eos))
         return cls(tok, config, template, [int(t) for t in gen_eos_ids])
@@ -233,7 +233,9 @@ def _pick_template(value: Any) -> str | None:
     return None
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in path, None if there is no file; TokenizerError (a ValueError) naming the file
+    if it is not a JSON object."""
     if not path.exists():
         return None
     try:

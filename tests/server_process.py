@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -76,3 +78,14 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+@contextmanager
+def running_server(model: Path | None, args: list[str], log_path: Path) -> Iterator[ServerProcess]:
+    """A started, healthy server for the block (a module fixture's body), stopped after it."""
+    proc = ServerProcess(model, args, log_path)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()

@@ -16,7 +16,7 @@ import pytest
 
 from deltaserve.assets import DEMO_DIR
 from deltaserve.serve.reasoning import split_reasoning
-from tests.server_process import ServerProcess, text_checkpoint
+from tests.server_process import ServerProcess, running_server, text_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not (DEMO_DIR / "tokenizer.json").exists(), reason="the demo tokenizer is not in the package yet"
@@ -43,12 +43,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "--max-num-seqs",
         "32",
     ]
-    proc = ServerProcess(ckpt, args, tmp_path_factory.mktemp("log") / "server.log")
-    try:
-        proc.wait_ready()
+    with running_server(ckpt, args, tmp_path_factory.mktemp("log") / "server.log") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from deltaserve.assets import DEMO_DIR
-from tests.server_process import ServerProcess, text_checkpoint
+from tests.server_process import ServerProcess, running_server, text_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not (DEMO_DIR / "tokenizer.json").exists(), reason="the demo tokenizer is not in the package yet"
@@ -29,12 +29,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     ckpt = text_checkpoint(tmp_path_factory.mktemp("ckpt"))
     args = ["--served-model-name", MODEL, "--max-model-len", "1024", "--max-num-seqs", "64",
             "--max-num-batched-tokens", "512"]
-    proc = ServerProcess(ckpt, args, tmp_path_factory.mktemp("log") / "server.log")
-    try:
-        proc.wait_ready()
+    with running_server(ckpt, args, tmp_path_factory.mktemp("log") / "server.log") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def _gauges(url: str) -> dict[str, float]:

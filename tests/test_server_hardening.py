@@ -16,7 +16,7 @@ import pytest
 
 from deltaserve.assets import DEMO_DIR
 from deltaserve.tokenizer import Tokenizer
-from tests.server_process import ServerProcess, text_checkpoint
+from tests.server_process import ServerProcess, running_server, text_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not (DEMO_DIR / "tokenizer.json").exists(), reason="the demo tokenizer is not in the package yet"
@@ -36,12 +36,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     ckpt = text_checkpoint(tmp_path_factory.mktemp("ckpt"))
     args = ["--served-model-name", MODEL, "--api-key", KEY, "--max-model-len", str(MAX_LEN),
             "--max-num-seqs", "8", "--max-n", str(MAX_N), "--max-request-body-bytes", str(BODY_CAP)]
-    proc = ServerProcess(ckpt, args, tmp_path_factory.mktemp("log") / "server.log")
-    try:
-        proc.wait_ready()
+    with running_server(ckpt, args, tmp_path_factory.mktemp("log") / "server.log") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

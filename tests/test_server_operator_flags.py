@@ -19,7 +19,7 @@ import pytest
 
 from deltaserve.assets import DEMO_DIR
 from deltaserve.serve.generation_config import generation_defaults
-from tests.server_process import ServerProcess, text_checkpoint
+from tests.server_process import ServerProcess, running_server, text_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not (DEMO_DIR / "tokenizer.json").exists(), reason="the demo tokenizer is not in the package yet"
@@ -40,12 +40,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     args = ["--served-model-name", MODEL, "--api-key", KEY, "--disable-metrics-auth", "--max-model-len", "2048",
             "--max-num-seqs", "1", "--max-waiting-seqs", "1", "--generation-config", str(gen),
             "--shutdown-grace-s", "2"]
-    proc = ServerProcess(ckpt, args, tmp_path_factory.mktemp("log") / "server.log")
-    try:
-        proc.wait_ready()
+    with running_server(ckpt, args, tmp_path_factory.mktemp("log") / "server.log") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,12 @@ SamplingParams' defaults the rest. `vllm` ignores the file; a folder path reads 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from deltaserve.sampling import SamplingParams
+from deltaserve.tokenizer import read_json_object
 
 log = logging.getLogger("deltaserve.serve")
 
@@ -23,16 +23,11 @@ def generation_defaults(model_dir: Path, mode: str = "auto") -> dict[str, Any]:
         return {}
     folder = model_dir if mode == "auto" else Path(mode)
     path = folder / "generation_config.json"
-    if not path.exists():
+    data = read_json_object(path)
+    if data is None:
         if mode != "auto":
             raise ValueError(f"--generation-config {mode}: there is no generation_config.json in {folder}")
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object")
     defaults = {ours: data[theirs] for theirs, ours in _FIELDS.items() if data.get(theirs) is not None}
     try:
         SamplingParams(**defaults)  # a bad value fails here, at start, not in every request
