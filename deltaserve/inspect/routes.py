@@ -166,7 +166,9 @@ def build_inspect_router(engine: Any) -> APIRouter:
         return await guarded(memory_plans, state.model.config, dtype, max_model_len, max_num_seqs,
                              kv_cache_dtype, tp or state.tp, allocated_cache(state.engine))
 
-    @router.get("/api/live")
+    @router.get("/api/live", response_class=StreamingResponse,
+                responses={200: {"description": "Server-sent events: status, then steps.",
+                                 "content": {"text/event-stream": {}}}})
     async def live(request: Request) -> StreamingResponse:
         async def events() -> Any:
             yield _sse("status", state.bus.status())

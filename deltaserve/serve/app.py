@@ -274,7 +274,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         detail = e.detail if isinstance(e.detail, str) else status_phrase(e.status_code)
-        return error_response(e.status_code, detail)
+        response = error_response(e.status_code, detail)
+        response.headers.update(e.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:

@@ -28,6 +28,11 @@ ERROR_SCHEMA: dict[str, Any] = {
     },
 }
 _OPEN_WITH_KEY = ("/health",)
+# Statuses beyond 200 / 400 / 401 that a route can answer, and why.
+_MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models/{model_id}", "/tokenize", "/detokenize")
+_GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+_LOOKUP_ROUTES = ("/inspect/api/gdn_state", "/inspect/api/attention")
+_STREAMING_ROUTES = _GENERATION_ROUTES  # "stream": true answers with server-sent events
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -50,6 +55,17 @@ def install_openapi(app: FastAPI, api_key: bool) -> None:
                     responses["400"] = _error("Invalid request: the message names the field")
                 if api_key and path not in _OPEN_WITH_KEY:
                     responses["401"] = _error("Missing or wrong API key")
+                if path in _MODEL_ROUTES:
+                    responses["404"] = _error("The model is not the one this server serves")
+                if path in _LOOKUP_ROUTES:
+                    responses["404"] = _error("The trace id is unknown or expired")
+                if "requestBody" in op:
+                    responses["413"] = _error("The body is larger than --max-request-body-bytes")
+                if path in _GENERATION_ROUTES:
+                    responses["503"] = _error("The waiting queue is full (Retry-After) or the engine stopped")
+                if path in _STREAMING_ROUTES and "200" in responses:
+                    responses["200"].setdefault("content", {})["text/event-stream"] = {
+                        "schema": {"type": "string", "description": "with stream: true"}}
         app.openapi_schema = doc
         return doc
 

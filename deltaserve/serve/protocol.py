@@ -42,7 +42,9 @@ def lone_surrogate_at(value: Any, path: str) -> str | None:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # strict: a value of the wrong JSON type is a 400, not silently coerced ("2" as n, 0 as false, 1.5 as
+    # max_tokens); integers still count as numbers.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     @model_validator(mode="after")
     def _valid_unicode(self) -> _Request:
