@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from deltaserve.assets import DEMO_DIR
-from deltaserve.serve.generation_config import generation_defaults
+from deltaserve.generation_config import generation_defaults
 from tests.server_process import ServerProcess, running_server, text_checkpoint
 
 pytestmark = pytest.mark.skipif(
@@ -129,3 +129,20 @@ def test_sigterm_drains_running_streams_and_exits_0(server: ServerProcess) -> No
     assert finish[-1] in ("length", "abort") and all(f is None for f in finish[:-1])
     log = server.log_path.read_text()
     assert "Traceback" not in log
+
+
+def test_llm_generate_without_sampling_params_uses_the_generation_config(tmp_path: Path) -> None:
+    from deltaserve.engine.llm import LLM
+    from deltaserve.sampling import SamplingParams
+    from tests.checkpoints import TINY, random_hf_model, save_official_layout
+
+    ckpt = save_official_layout(random_hf_model(TINY, seed=5), tmp_path)
+    (ckpt / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_k": 1, "max_new_tokens": 5}))
+    llm = LLM(model=str(ckpt), max_model_len=64)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.7, top_k=1, max_tokens=5)
+    prompt = {"prompt_token_ids": [3, 4, 5]}
+    default = llm.generate(prompt, use_tqdm=False)[0].outputs[0].token_ids
+    greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0].outputs[0]
+    assert list(default) == list(greedy.token_ids)  # top_k 1 is greedy, and 5 tokens at most
+    assert LLM(model=str(ckpt), max_model_len=64, generation_config="vllm").get_default_sampling_params() == (
+        SamplingParams())

@@ -205,7 +205,7 @@ class AsyncEngine:
             self.engine.abort_request(list(self._streams) if cmd.request_id is None else cmd.request_id)
             return
         try:
-            waiting = len(self.engine.scheduler.waiting)
+            waiting = self.engine.stats().num_waiting
             # An empty queue takes any request, so that one with n past the bound can still run.
             if self.max_waiting is not None and waiting and waiting + cmd.params.n > self.max_waiting:
                 raise QueueFullError(

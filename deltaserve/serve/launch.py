@@ -87,9 +87,9 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     from deltaserve.engine.async_engine import AsyncEngine
     from deltaserve.engine.config import EngineConfig
     from deltaserve.engine.llm_engine import LLMEngine
+    from deltaserve.generation_config import generation_defaults
     from deltaserve.inspect.routes import build_inspect_router
     from deltaserve.serve.app import ServerOptions, build_app
-    from deltaserve.serve.generation_config import generation_defaults
     from deltaserve.serve.params import RequestRules
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -1,5 +1,6 @@
-"""Default sampling parameters from the model's generation_config.json, as vLLM applies them
-(`--generation-config auto`, its default): a request's own values win, the file fills what it leaves out,
+"""Default sampling parameters from the model's generation_config.json, as vLLM applies them (the
+server's `--generation-config auto`, its default, and LLM(generation_config="auto") when generate is given
+no sampling_params): a request's own values win, the file fills what it leaves out,
 SamplingParams' defaults the rest. `vllm` ignores the file; a folder path reads the file from there."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 from deltaserve.sampling import SamplingParams
 from deltaserve.tokenizer import read_json_object
 
-log = logging.getLogger("deltaserve.serve")
+log = logging.getLogger(__name__)
 
 # generation_config.json name -> SamplingParams name (vLLM's list)
 _FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
