@@ -198,6 +198,9 @@ def test_max_tokens_0_with_echo_scores_the_prompt(client: openai.OpenAI, tok: To
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=ids, max_tokens=0)  # without echo: nothing to return
     assert info.value.response.json()["error"]["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as info:  # checked although no SamplingParams is built
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=10_000)
+    assert info.value.response.json()["error"]["param"] == "logprobs"
 
 
 def test_prompt_logprobs_in_vllm_shape(http: httpx.Client, tok: Tokenizer) -> None:

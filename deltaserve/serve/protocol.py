@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
+from deltaserve.sampling import MAX_LOGPROBS
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -82,7 +84,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     n: int = 1
     best_of: int | None = None  # accepted only equal to n (no best-of-n ranking)
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM: top-k logprobs of each prompt token
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM: top-k per prompt token
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False
@@ -132,7 +134,7 @@ class CompletionRequest(_SamplingFields):
     # A string, a list of strings, token ids, or a list of token-id lists (one choice set per prompt).
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's and vLLM's default for this endpoint
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # here too: scoring needs no SamplingParams
     echo: bool = False
     suffix: str | None = None  # refused when set: no fill-in-the-middle
 
