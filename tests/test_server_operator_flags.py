@@ -99,6 +99,50 @@ def test_full_queue_is_503_with_retry_after(server: ServerProcess) -> None:
     assert "deltaserve:num_requests_waiting" in m
 
 
+def _refuses_connections(url: str, within_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{url}/health", timeout=5)
+        except httpx.ConnectError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_abort_all_ends_every_stream_with_abort(tmp_path: Path) -> None:
+    """What the end of the grace period does, without a clock: every running request ends "abort"."""
+    from deltaserve.engine.async_engine import AsyncEngine
+    from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.llm_engine import LLMEngine
+    from deltaserve.sampling import SamplingParams
+    from tests.checkpoints import TINY, random_hf_model, save_official_layout
+
+    ckpt = save_official_layout(random_hf_model(TINY, seed=5), tmp_path)
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(ckpt), max_model_len=512))).start()
+
+    async def run() -> list[str | None]:
+        params = SamplingParams(max_tokens=500, ignore_eos=True)
+        readers = [(await engine.add_request(f"r{i}", [3, 4, 5], params)).__aiter__() for i in range(3)]
+        firsts = [await r.__anext__() for r in readers]
+        assert not any(f.finished for f in firsts)  # each has begun
+        engine.abort_all()
+        finals = []
+        for r in readers:
+            last = None
+            async for out in r:
+                last = out
+            finals.append(None if last is None else last.outputs[0].finish_reason)
+        return finals
+
+    try:
+        assert asyncio.run(run()) == ["abort"] * 3
+        usage = engine.engine.stats().cache
+        assert usage.used_blocks == 0 and usage.used_slots == 0
+    finally:
+        engine.shutdown()
+
+
 def test_sigterm_drains_running_streams_and_exits_0(server: ServerProcess) -> None:
     """Runs last in this module: it stops the server. A stream longer than the 2 s grace period is
     aborted at its end, with finish_reason "abort" and [DONE]; the process exits 0."""
@@ -119,9 +163,7 @@ def test_sigterm_drains_running_streams_and_exits_0(server: ServerProcess) -> No
     reader.start()
     assert started.wait(60)
     server.proc.send_signal(signal.SIGTERM)
-    time.sleep(1.0)
-    with pytest.raises(httpx.ConnectError):  # no new connections while it drains
-        httpx.get(f"{server.url}/health", timeout=5)
+    assert _refuses_connections(server.url)  # no new connections while it drains
     assert server.proc.wait(30) == 0
     assert done.wait(10)
     assert events[-1] == {"done": True}
