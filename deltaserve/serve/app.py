@@ -63,7 +63,6 @@ class ServerOptions:
     metrics_need_key: bool = True  # --disable-metrics-auth turns it off
     max_request_body_bytes: int = 16 * 1024 * 1024
     rules: RequestRules = field(default_factory=RequestRules)
-    token_ids_only: bool = False  # --skip-tokenizer-init: no tokenizer, prompts and outputs are token ids
 
 
 def build_app(

@@ -114,7 +114,6 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         metrics_need_key=not args.disable_metrics_auth,
         max_request_body_bytes=args.max_request_body_bytes,
         rules=rules,
-        token_ids_only=tok is None,
     )
     app = build_app(engine, name, options, model_root=config.model,
                     extra_routers=[build_inspect_router(engine.engine)])  # the inspector at /inspect
