@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from deltaserve.assets import DEMO_DIR
-from deltaserve.generation_config import generation_defaults
+from deltaserve.engine.generation_config import generation_defaults
 from tests.server_process import ServerProcess, running_server, text_checkpoint
 
 pytestmark = pytest.mark.skipif(

@@ -10,8 +10,8 @@ from typing import Any
 
 from deltaserve.assets import demo_checkpoint_path
 from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.generation_config import generation_defaults
 from deltaserve.engine.llm_engine import LLMEngine
-from deltaserve.generation_config import generation_defaults
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling import SamplingParams
 

@@ -86,8 +86,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
 
     from deltaserve.engine.async_engine import AsyncEngine
     from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.generation_config import generation_defaults
     from deltaserve.engine.llm_engine import LLMEngine
-    from deltaserve.generation_config import generation_defaults
     from deltaserve.inspect.routes import build_inspect_router
     from deltaserve.serve.app import ServerOptions, build_app
     from deltaserve.serve.params import RequestRules
