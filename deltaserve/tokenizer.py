@@ -42,6 +42,7 @@ class Tokenizer:
         generation_eos: list[int] | None = None,
     ) -> None:
         self._tok = tokenizer
+        self._max_token_chars: int | None = None
         self.config = dict(config or {})
         self.chat_template = chat_template
         self.special_tokens: dict[str, str] = {}
@@ -78,13 +79,13 @@ class Tokenizer:
             tok = HFTokenizer.from_file(str(tok_file))
         except Exception as e:  # the Rust side raises plain Exception subclasses
             raise TokenizerError(f"{tok_file} could not be loaded: {e}") from e
-        config = _read_json(path / "tokenizer_config.json") or {}
+        config = read_json_object(path / "tokenizer_config.json") or {}
         template = _pick_template(config.get("chat_template"))
         # Newer transformers saves the template beside the config rather than inside it.
         jinja_file = path / "chat_template.jinja"
         if template is None and jinja_file.exists():
             template = jinja_file.read_text(encoding="utf-8")
-        gen = _read_json(path / "generation_config.json") or {}
+        gen = read_json_object(path / "generation_config.json") or {}
         gen_eos = gen.get("eos_token_id")
         gen_eos_ids = [] if gen_eos is None else ([gen_eos] if isinstance(gen_eos, int) else list(gen_eos))
         return cls(tok, config, template, [int(t) for t in gen_eos_ids])
@@ -99,7 +100,17 @@ class Tokenizer:
         return self.special_tokens.get("eos_token")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while the Rust side works (encode does not): a server tokenizing
+        # a long prompt in a worker thread keeps its event loop, and every other stream, running.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry (added tokens included): no token covers more text,
+        so a prompt has at least about len(text) / max_token_chars tokens."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
+        return self._max_token_chars
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids and, per id, the [start, end) character span of `text` it came from (the inspector shows how
@@ -164,6 +175,10 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from e
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            # Python errors inside the template's own expressions (a filter given a value of the wrong
+            # type, a field the conversation lacks): the conversation does not fit the template.
+            raise ChatTemplateError(f"chat template error: {type(e).__name__}: {e}") from e
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -208,6 +223,8 @@ def _raise_exception(message: str) -> None:
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     # jinja's own tojson HTML-escapes (<, >, &, '); chat templates expect plain JSON, as transformers gives.
+    if isinstance(x, jinja2.Undefined):
+        raise jinja2.exceptions.UndefinedError("tojson was given an undefined value (a field the message lacks)")
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -244,7 +261,9 @@ def _pick_template(value: Any) -> str | None:
     return None
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in path, None if there is no file; TokenizerError (a ValueError) naming the file
+    if it is not a JSON object."""
     if not path.exists():
         return None
     try:

@@ -101,8 +101,8 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def serving(model: Path | None, args: list[str], log_path: Path) -> Iterator[ServerProcess]:
-    """A started, healthy server for the with-block; stopped after it."""
+def running_server(model: Path | None, args: list[str], log_path: Path) -> Iterator[ServerProcess]:
+    """A started, healthy server for the block (a module fixture's body), stopped after it."""
     proc = ServerProcess(model, args, log_path)
     try:
         proc.wait_ready()

@@ -218,3 +218,36 @@ def test_page_in_headless_chromium(server: str, tmp_path: Path) -> None:
         finally:
             browser.close()
     assert not errors, errors
+
+
+def test_page_renders_chinese_has_a_favicon_and_plans_the_engines_tp(server: str) -> None:
+    """Chinese must render as glyphs, not the boxes of a missing font: two different characters drawn in
+    the page's own font differ pixel for pixel only when a font has them (every missing glyph is the same
+    box). The plan form starts at the engine's TP (1 here), so the loaded model's column is filled in."""
+    plan = httpx.get(f"{server}/inspect/api/plan", timeout=30).json()
+    assert plan["inputs"]["tp"] == 1 and "error" not in plan["plans"][0]
+    icon = httpx.get(f"{server}/favicon.ico", timeout=30)
+    assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/svg+xml")
+    sync_api = _browser()
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 1000})
+            page.goto(f"{server}/inspect")
+            page.wait_for_selector("body[data-ready='1']")
+            assert page.get_attribute("link[rel=icon]", "href") == "/inspect/static/favicon.svg"
+            same = page.evaluate("""() => {
+                const font = getComputedStyle(document.body).font;
+                const draw = (ch) => {
+                    const c = document.createElement("canvas"); c.width = 40; c.height = 40;
+                    const g = c.getContext("2d"); g.font = font.replace(/\\d+px/, "32px"); g.fillText(ch, 2, 32);
+                    return Array.from(g.getImageData(0, 0, 40, 40).data).join(",");
+                };
+                return draw("猫") === draw("狗");
+            }""")
+            assert not same, "Chinese renders as boxes: no CJK font (.ci/run installs fonts-wqy-microhei)"
+            page.click("nav button[data-tab=plan]")
+            page.wait_for_selector("#plan-table")
+            assert page.input_value("#plan-tp") == "1"
+        finally:
+            browser.close()

@@ -16,7 +16,7 @@ import pytest
 
 from deltaserve.assets import DEMO_DIR
 from deltaserve.serve.reasoning import split_reasoning
-from tests.server_process import ServerProcess, text_checkpoint
+from tests.server_process import ServerProcess, running_server, text_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not (DEMO_DIR / "tokenizer.json").exists(), reason="the demo tokenizer is not in the package yet"
@@ -27,6 +27,7 @@ MODEL = "tiny"
 MAX_LEN = 2048  # room for a request that outlasts a client's patience (see the disconnect test)
 THINK_END = 8191  # `</think>` in the demo tokenizer
 USER = [{"role": "user", "content": "Say something."}]
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +43,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "--max-num-seqs",
         "32",
     ]
-    proc = ServerProcess(ckpt, args, tmp_path_factory.mktemp("log") / "server.log")
-    try:
-        proc.wait_ready()
+    with running_server(ckpt, args, tmp_path_factory.mktemp("log") / "server.log") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +55,7 @@ def client(server: ServerProcess) -> openai.OpenAI:
 def metrics(server: ServerProcess) -> dict[str, float]:
     """Unlabelled view of /metrics: {'deltaserve:num_requests_running': 0.0, ...} (labels dropped)."""
     out: dict[str, float] = {}
-    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+    for line in httpx.get(f"{server.url}/metrics", headers=AUTH).text.splitlines():
         if line and not line.startswith("#"):
             name, value = re.sub(r"\{.*\}", "", line).rsplit(" ", 1)
             out[name] = out.get(name, 0.0) + float(value)
@@ -66,7 +63,7 @@ def metrics(server: ServerProcess) -> dict[str, float]:
 
 
 def aborted(server: ServerProcess) -> float:
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
     found = re.search(
         r'^deltaserve:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', text, re.M
     )
@@ -125,10 +122,14 @@ def test_completions_streamed_equals_non_streamed_with_stop_string(client: opena
 def test_echo_text_offsets_point_into_the_returned_text(client: openai.OpenAI) -> None:
     kw = dict(model=MODEL, prompt="a b c", max_tokens=6, temperature=0.0, logprobs=1, echo=True,
               extra_body={"ignore_eos": True})
-    full = client.completions.create(**kw).choices[0]
+    response = client.completions.create(**kw)
+    full, prompt_len = response.choices[0], response.usage.prompt_tokens
     streamed = list(client.completions.create(**kw, stream=True))
     offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
-    assert full.text.startswith("a b c") and full.logprobs.text_offset[0] == len("a b c")
+    # The echoed prompt's tokens lead the logprobs (the first with none: nothing predicts it).
+    assert full.text.startswith("a b c") and full.logprobs.text_offset[0] == 0
+    assert full.logprobs.token_logprobs[0] is None and full.logprobs.top_logprobs[0] is None
+    assert full.logprobs.text_offset[prompt_len] == len("a b c") and len(full.logprobs.tokens) == prompt_len + 6
     assert offsets == full.logprobs.text_offset
     for token, offset in zip(full.logprobs.tokens, full.logprobs.text_offset):
         assert full.text[offset : offset + len(token)] == token
@@ -341,7 +342,7 @@ def test_missing_or_wrong_api_key_is_401(server: ServerProcess) -> None:
         wrong.models.list()
     assert info.value.status_code == 401 and _error(info.value)["code"] == "invalid_api_key"
     assert httpx.get(f"{server.url}/health").status_code == 200
-    assert httpx.get(f"{server.url}/metrics").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 401  # open only with --disable-metrics-auth
 
 
 def test_prompt_longer_than_context_is_400_with_both_lengths(client: openai.OpenAI) -> None:

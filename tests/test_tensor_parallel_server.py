@@ -16,7 +16,7 @@ import pytest
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.assets import DEMO_DIR
-from tests.server_process import ServerProcess, serving, text_checkpoint
+from tests.server_process import ServerProcess, running_server, text_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not (DEMO_DIR / "tokenizer.json").exists(), reason="the demo tokenizer is not in the package yet"
@@ -34,7 +34,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     args = ["--served-model-name", MODEL, "--max-model-len", "256", "--max-num-seqs", "4",
             "--tensor-parallel-size", "2"]
-    with serving(ckpt, args, tmp_path_factory.mktemp("log") / "server.log") as proc:
+    with running_server(ckpt, args, tmp_path_factory.mktemp("log") / "server.log") as proc:
         yield proc
 
 

@@ -27,6 +27,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (shutdown, or a step raised); no request can be served."""
 
 
+class QueueFullError(RuntimeError):
+    """max_waiting sequences already wait for a slot; the request is refused (try again later)."""
+
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -44,7 +48,7 @@ class _Add:
 
 @dataclass(slots=True)
 class _Abort:
-    request_id: str
+    request_id: str | None  # None: every request (a shutdown's grace period is over)
 
 
 @dataclass(slots=True)
@@ -77,8 +81,9 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
         self.engine = engine
+        self.max_waiting = max_waiting  # sequences waiting for a slot before add_request refuses more
         self._inbox: deque[_Add | _Abort] = deque()
         self._wake = threading.Condition()
         self._streams: dict[str, _Stream] = {}  # touched only on the engine thread
@@ -146,6 +151,10 @@ class AsyncEngine:
         """Stop a request and free its cache; safe from any thread, for unknown or finished ids too."""
         self._send(_Abort(request_id))
 
+    def abort_all(self) -> None:
+        """Stop every request (each stream ends with finish_reason "abort"); safe from any thread."""
+        self._send(_Abort(None))
+
     def refresh(self) -> None:
         """Have the engine thread run its iteration listeners soon, even when idle (a new listener
         wants its first reading)."""
@@ -193,9 +202,16 @@ class AsyncEngine:
     def _apply(self, cmd: _Add | _Abort) -> None:
         if isinstance(cmd, _Abort):
             # The final "abort" output comes from the next step() and reaches the stream, if anyone reads.
-            self.engine.abort_request(cmd.request_id)
+            self.engine.abort_request(list(self._streams) if cmd.request_id is None else cmd.request_id)
             return
         try:
+            waiting = self.engine.stats().num_waiting
+            # An empty queue takes any request, so that one with n past the bound can still run.
+            if self.max_waiting is not None and waiting and waiting + cmd.params.n > self.max_waiting:
+                raise QueueFullError(
+                    f"the server is busy: {waiting} sequences already wait for a slot (--max-waiting-seqs "
+                    f"{self.max_waiting}); retry later"
+                )
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
         except Exception as e:  # the caller's error (ValueError etc.): report it to the caller only
             _call(cmd.stream.loop, _set_exception, cmd.accepted, e)

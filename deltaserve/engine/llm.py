@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from deltaserve.assets import demo_checkpoint_path
 from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.generation_config import generation_defaults
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling import SamplingParams
@@ -37,6 +40,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         enforce_eager: bool = False,
         num_threads: int | None = None,
+        generation_config: str = "auto",
     ) -> None:
         self.config = EngineConfig(
             model=None if model is None else str(model),
@@ -60,6 +64,12 @@ class LLM:
         )
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
+        model_dir = Path(model) if model is not None else demo_checkpoint_path()
+        # As vLLM: what generate uses without sampling_params ("auto": the model's generation_config.json).
+        self._default_params = generation_defaults(model_dir, generation_config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self._default_params)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -77,7 +87,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

@@ -5,21 +5,17 @@ torch."""
 from __future__ import annotations
 
 import argparse
-import os
 
 
 def add_inspect_parser(sub: argparse._SubParsersAction) -> None:
     from deltaserve.cli import add_engine_args
+    from deltaserve.cli_serve import add_server_args
 
     p = sub.add_parser("inspect", help="web inspector: the model layer by layer, live engine steps")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="checkpoint directory (default: the embedded demo model); same as --model")
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("DELTASERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (the inspector itself stays open)")
-    p.add_argument("--served-model-name", default=None)
+    add_server_args(p)
     p.add_argument("--uvicorn-log-level", default="warning")
     # The page polls and streams; per-request access lines would drown the log.
     p.add_argument("--access-log", dest="disable_access_log", action="store_false")

@@ -29,6 +29,7 @@ from deltaserve.serve.errors import error_response
 
 STATIC = Path(__file__).resolve().parent / "static"
 _MEDIA = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".svg": "image/svg+xml"}
+FAVICON = STATIC / "favicon.svg"
 MAX_TRACE_TOKENS = 512
 _KEEP_TRACES = 32  # token ids of recent traces, so the labs can be asked by trace id
 
@@ -52,6 +53,10 @@ class InspectorState:
         self.bus = StepEventBus(engine)
         self.lock = threading.Lock()
         self.traces: OrderedDict[str, list[int]] = OrderedDict()
+
+    @property
+    def tp(self) -> int:
+        return int(getattr(self.engine.config, "tensor_parallel_size", 1) or 1)
 
     def remember(self, ids: list[int]) -> str:
         tid = uuid.uuid4().hex[:12]
@@ -94,6 +99,7 @@ class InspectorState:
             "has_tokenizer": self.tokenizer is not None,
             "has_chat_template": getattr(self.tokenizer, "chat_template", None) is not None,
             "max_model_len": self.engine.max_model_len, "max_trace_tokens": MAX_TRACE_TOKENS,
+            "tensor_parallel_size": self.tp,
         }
 
 
@@ -155,12 +161,14 @@ def build_inspect_router(engine: Any) -> APIRouter:
 
     @router.get("/api/plan")
     async def plan(max_model_len: int = Query(8192, ge=1), max_num_seqs: int = Query(8, ge=1),
-                   kv_cache_dtype: str = "auto", tp: int = Query(1, ge=1)) -> Response:
+                   kv_cache_dtype: str = "auto", tp: int | None = Query(None, ge=1)) -> Response:
         dtype = next(state.model.parameters()).dtype
         return await guarded(memory_plans, state.model.config, dtype, max_model_len, max_num_seqs,
-                             kv_cache_dtype, tp, allocated_cache(state.engine))
+                             kv_cache_dtype, tp or state.tp, allocated_cache(state.engine))
 
-    @router.get("/api/live")
+    @router.get("/api/live", response_class=StreamingResponse,
+                responses={200: {"description": "Server-sent events: status, then steps.",
+                                 "content": {"text/event-stream": {}}}})
     async def live(request: Request) -> StreamingResponse:
         async def events() -> Any:
             yield _sse("status", state.bus.status())

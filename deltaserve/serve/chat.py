@@ -1,5 +1,7 @@
 """Chat messages -> prompt text through the model's chat template (chat_template_kwargs such as
-enable_thinking go to the template, as in vLLM)."""
+enable_thinking go to the template, as in vLLM). The roles are checked by the request model (protocol.py);
+`developer` (OpenAI's newer name for the system message) is rendered as `system`, which is what the
+Qwen templates know: they would drop a role they do not know without a word."""
 
 from __future__ import annotations
 
@@ -41,6 +43,12 @@ def render_chat_prompt(
         d["content"] = _text_of(m.content, i) or ""
         convo.append(d)
     kwargs = dict(chat_template_kwargs or {})
+    thinking = kwargs.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise APIError(
+            400, f"chat_template_kwargs.enable_thinking must be true or false, got {thinking!r}",
+            param="chat_template_kwargs",
+        )
     for reserved in ("messages", "add_generation_prompt", "tools", "chat_template"):
         if reserved in kwargs:
             raise APIError(

@@ -14,6 +14,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
@@ -29,6 +30,7 @@ class APIError(Exception):
     message: str
     param: str | None = None
     code: str | None = None
+    headers: dict[str, str] | None = None  # e.g. Retry-After on a 503 for a full queue
 
     def __str__(self) -> str:
         return self.message
@@ -38,7 +40,13 @@ def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     kind = _TYPES.get(status) or ("invalid_request_error" if status < 500 else "internal_server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": printable(message), "type": kind, "param": param, "code": code}}
+
+
+def printable(text: str) -> str:
+    """text that encodes as UTF-8: a lone surrogate a client sent (and an error message quotes) is written
+    as its escape, so that the error itself can be sent."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(
@@ -48,7 +56,9 @@ def error_response(
 
 
 def from_api_error(e: APIError) -> JSONResponse:
-    return error_response(e.status, e.message, e.param, e.code)
+    response = error_response(e.status, e.message, e.param, e.code)
+    response.headers.update(e.headers or {})
+    return response
 
 
 def status_phrase(status: int) -> str:

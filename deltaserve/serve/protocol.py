@@ -1,6 +1,9 @@
 """Request and response bodies of the OpenAI API (chat completions, completions, models), with vLLM's
 extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, chat_template_kwargs, ...).
-Unknown request fields are accepted and ignored, as vLLM does, so newer clients keep working."""
+Unknown request fields are accepted and ignored, as vLLM does, so newer clients keep working; fields
+that OpenAI defines but deltaserve cannot honour (suffix, best_of other than n) are refused by name.
+Every string in a request must be valid Unicode: a lone UTF-16 surrogate ("\ud800", which JSON allows)
+is a 400 naming its field, not a crash in the tokenizer."""
 
 from __future__ import annotations
 
@@ -8,15 +11,55 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
+
+from deltaserve.sampling import MAX_LOGPROBS
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def lone_surrogate_at(value: Any, path: str) -> str | None:
+    """The path of the first string under value (keys too) that is not valid Unicode: a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        children = [(f"{path}.{k}", k) for k in value if isinstance(k, str)]  # the keys themselves
+        children += [(f"{path}.{k}", v) for k, v in value.items()]
+    elif isinstance(value, list | tuple):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return None  # numbers, None; nested request models check themselves
+    for sub, child in children:
+        found = lone_surrogate_at(child, sub)
+        if found is not None:
+            return found
+    return None
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # strict: a value of the wrong JSON type is a 400, not silently coerced ("2" as n, 0 as false, 1.5 as
+    # max_tokens); integers still count as numbers.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="after")
+    def _valid_unicode(self) -> _Request:
+        fields = {name: getattr(self, name) for name in type(self).model_fields}
+        for name, value in {**fields, **(self.model_extra or {})}.items():
+            found = lone_surrogate_at(value, name)
+            if found is not None:
+                raise PydanticCustomError(
+                    "lone_surrogate",
+                    "{field} contains a lone UTF-16 surrogate, which is not valid Unicode text",
+                    {"field": found},
+                )
+        return self
 
 
 class StreamOptions(_Request):
@@ -40,6 +83,8 @@ class _SamplingFields(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = 1
+    best_of: int | None = None  # accepted only equal to n (no best-of-n ranking)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM: top-k per prompt token
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False
@@ -53,13 +98,29 @@ class _SamplingFields(_Request):
     structured_outputs: dict[str, Any] | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    # OpenAI sends a JSON string; a JSON object is accepted too (chat templates take either).
+    arguments: str | dict[str, Any]
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+# `developer` is OpenAI's newer name for `system`; the prompt renders it as system.
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatMessage(_Request):
-    role: str
+    role: ChatRole
     # A string, or OpenAI content parts ([{"type": "text", "text": ...}]); None for tool-call turns.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
 
@@ -79,8 +140,9 @@ class CompletionRequest(_SamplingFields):
     # A string, a list of strings, token ids, or a list of token-id lists (one choice set per prompt).
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's and vLLM's default for this endpoint
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # here too: scoring needs no SamplingParams
     echo: bool = False
+    suffix: str | None = None  # refused when set: no fill-in-the-middle
 
 
 # ---- responses --------------------------------------------------------------------------------------
@@ -138,6 +200,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -169,12 +232,25 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+# vLLM's prompt_logprobs: per prompt token (None for the first), {token id: {logprob, rank, decoded_token}}
+# for the token itself and the top-k.
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    token_ids: list[int] | None = None  # with --skip-tokenizer-init (no tokenizer): the output as token ids
 
 
 class CompletionResponse(BaseModel):

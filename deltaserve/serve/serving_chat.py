@@ -16,8 +16,8 @@ from deltaserve.sampling import SamplingParams
 from deltaserve.serve.chat import render_chat_prompt
 from deltaserve.serve.chat_tools import ToolConfig, ToolPlan, plan_tools
 from deltaserve.serve.errors import APIError
-from deltaserve.serve.logprobs import chat_logprobs
-from deltaserve.serve.params import to_sampling_params
+from deltaserve.serve.logprobs import chat_logprobs, prompt_logprobs_field
+from deltaserve.serve.params import RequestRules, to_sampling_params
 from deltaserve.serve.protocol import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -31,6 +31,7 @@ from deltaserve.serve.protocol import (
     random_id,
 )
 from deltaserve.serve.reasoning import THINK_END, StreamingReasoningParser, split_reasoning, thinking_open
+from deltaserve.serve.scoring import TokenScore
 from deltaserve.serve.streaming import DONE, ChoiceCursor, sse, sse_error
 from deltaserve.serve.structured import check_compiles, structured_from_request
 from deltaserve.serve.tool_parsers import StreamingToolParser, extract_tool_calls
@@ -47,8 +48,13 @@ class PreparedChat:
 
 
 def prepare_chat(
-    engine: AsyncEngine, req: ChatCompletionRequest, tool_config: ToolConfig | None = None
+    engine: AsyncEngine, req: ChatCompletionRequest, tool_config: ToolConfig | None = None,
+    rules: RequestRules | None = None,
 ) -> PreparedChat:
+    """Template, tokenize and check one request: run it off the event loop."""
+    if req.stream and req.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs is not supported with stream on chat completions; use "
+                       "stream: false or /v1/completions", param="prompt_logprobs")
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tool_config or ToolConfig(),
                        engine.tokenizer)
     structured, field = structured_from_request(req.response_format, req.structured_outputs, req.model_extra)
@@ -60,8 +66,10 @@ def prepare_chat(
         engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools
     )
     thinking = thinking_open(prompt)
+    if rules is not None:
+        rules.check_text_length(prompt, engine.max_model_len, "messages")
     ids = engine.tokenizer.encode(prompt)
-    params = to_sampling_params(req, len(ids), engine.max_model_len)
+    params = to_sampling_params(req, len(ids), engine.max_model_len, rules)
     if structured is not None:
         if thinking:  # the reasoning stays free; the constraint starts after it
             structured = dataclasses.replace(structured, reasoning_end=THINK_END)
@@ -81,7 +89,12 @@ def _usage(out: RequestOutput) -> UsageInfo:
 
 
 def chat_response(
-    engine: AsyncEngine, req: ChatCompletionRequest, prep: PreparedChat, out: RequestOutput, model: str
+    engine: AsyncEngine,
+    req: ChatCompletionRequest,
+    prep: PreparedChat,
+    out: RequestOutput,
+    model: str,
+    prompt_scores: list[TokenScore | None] | None = None,
 ) -> ChatCompletionResponse:
     choices = []
     for c in out.outputs:
@@ -107,7 +120,14 @@ def chat_response(
                 stop_reason=c.stop_reason,
             )
         )
-    return ChatCompletionResponse(id=prep.request_id, model=model, choices=choices, usage=_usage(out))
+    prompt_logprobs = None
+    if prompt_scores is not None and req.prompt_logprobs is not None:
+        prompt_logprobs = prompt_logprobs_field(
+            engine.tokenizer, prep.prompt_token_ids, prompt_scores, req.prompt_logprobs
+        )
+    return ChatCompletionResponse(
+        id=prep.request_id, model=model, choices=choices, usage=_usage(out), prompt_logprobs=prompt_logprobs
+    )
 
 
 async def chat_stream(

@@ -1,5 +1,7 @@
 """POST /v1/completions: one engine request per prompt (a string, token ids, or a list of either), each
-with n sequences; choice index = prompt index * n + sequence index, as in OpenAI's API."""
+with n sequences; choice index = prompt index * n + sequence index, as in OpenAI's API. With echo the
+prompt (token-id prompts decoded) leads each choice, and with logprobs its tokens' logprobs lead too;
+max_tokens 0 with echo scores the prompt without generating."""
 
 from __future__ import annotations
 
@@ -12,18 +14,20 @@ from deltaserve.engine.detokenizer import stop_holdback
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling import SamplingParams
 from deltaserve.serve.errors import APIError
-from deltaserve.serve.logprobs import completion_logprobs
-from deltaserve.serve.params import to_sampling_params
+from deltaserve.serve.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs_field
+from deltaserve.serve.params import RequestRules, check_context, scores_only, to_sampling_params
 from deltaserve.serve.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    PromptLogprobs,
     PromptTokensDetails,
     UsageInfo,
     random_id,
 )
+from deltaserve.serve.scoring import PromptScorer, TokenScore
 from deltaserve.serve.streaming import DONE, ChoiceCursor, merge_streams, sse, sse_error
 from deltaserve.serve.structured import check_compiles, structured_from_request
 
@@ -31,9 +35,10 @@ from deltaserve.serve.structured import check_compiles, structured_from_request
 @dataclass(slots=True)
 class PreparedPrompt:
     request_id: str
-    text: str | None
+    text: str | None  # None for a token-id prompt
     token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | None  # None: nothing to generate (max_tokens 0 with echo)
+    echo_text: str = ""  # what echo puts before the output: the prompt, token ids decoded
 
 
 def _prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -47,60 +52,116 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     return list(p)  # type: ignore[arg-type]
 
 
-def prepare_completion(engine: AsyncEngine, req: CompletionRequest) -> tuple[str, list[PreparedPrompt]]:
-    """(response id, one prepared engine request per prompt)."""
+def prepare_completion(
+    engine: AsyncEngine, req: CompletionRequest, rules: RequestRules | None = None
+) -> tuple[str, list[PreparedPrompt]]:
+    """(response id, one prepared engine request per prompt). Tokenizes: run it off the event loop."""
     base = random_id("cmpl")
     structured, field = structured_from_request(req.response_format, req.structured_outputs, req.model_extra)
     if structured is not None:
         check_compiles(engine, structured, field)
+    tok = engine.tokenizer
     prepared = []
     for i, prompt in enumerate(_prompts(req)):
         if isinstance(prompt, str):
-            if engine.tokenizer is None:
+            if tok is None:
                 raise APIError(400, "this model has no tokenizer; send prompt as token ids", param="prompt")
-            text, ids = prompt, engine.tokenizer.encode(prompt)
+            if rules is not None:
+                rules.check_text_length(prompt, engine.max_model_len, "prompt")
+            text, ids = prompt, tok.encode(prompt)
         else:
             text, ids = None, list(prompt)
         if not ids:
             raise APIError(400, f"prompt {i} is empty; it needs at least one token", param="prompt")
-        params = to_sampling_params(req, len(ids), engine.max_model_len)
-        params.structured_outputs = structured
-        prepared.append(PreparedPrompt(f"{base}-{i}", text, ids, params))
+        if scores_only(req):
+            params = None
+            check_context(len(ids), None, engine.max_model_len, "prompt")
+        else:
+            params = to_sampling_params(req, len(ids), engine.max_model_len, rules)
+            params.structured_outputs = structured
+        echo = ""
+        if req.echo:
+            echo = text if text is not None else (tok.decode(ids, skip_special_tokens=False) if tok else "")
+        prepared.append(PreparedPrompt(f"{base}-{i}", text, ids, params, echo))
     return base, prepared
 
 
-def _usage(outs: list[RequestOutput]) -> UsageInfo:
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    cached = PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outs))
+Scores = list[list[TokenScore | None] | None]
+
+
+def _score_top_k(req: CompletionRequest) -> int | None:
+    """How many top logprobs the prompt's scores need, or None when nothing asks for them."""
+    wanted = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    return max(wanted) if wanted else None
+
+
+async def score_prompts(scorer: PromptScorer, req: CompletionRequest, prepared: list[PreparedPrompt]) -> Scores:
+    top_k = _score_top_k(req)
+    if top_k is None:
+        return [None] * len(prepared)
+    return [await scorer.score(p.token_ids, top_k) for p in prepared]
+
+
+def _usage(prepared: list[PreparedPrompt], outs: list[RequestOutput | None]) -> UsageInfo:
+    prompt = sum(len(p.token_ids) for p in prepared)
+    completion = sum(len(c.token_ids) for o in outs if o is not None for c in o.outputs)
+    cached = PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outs if o is not None))
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=cached)
 
 
+def _echo_part(
+    engine: AsyncEngine, req: CompletionRequest, p: PreparedPrompt, scores: list[TokenScore | None] | None
+) -> tuple[CompletionLogprobs | None, PromptLogprobs | None]:
+    """(the echoed prompt's completion-format logprobs, vLLM's prompt_logprobs) of one prompt."""
+    tok = engine.tokenizer
+    echo = None
+    if req.echo and req.logprobs is not None and scores is not None:
+        echo = echo_logprobs(tok, p.token_ids, scores, req.logprobs)
+    field = None
+    if req.prompt_logprobs is not None and scores is not None:
+        field = prompt_logprobs_field(tok, p.token_ids, scores, req.prompt_logprobs)
+    return echo, field
+
+
 def completion_response(
-    engine: AsyncEngine, req: CompletionRequest, response_id: str, outs: list[RequestOutput], model: str
+    engine: AsyncEngine,
+    req: CompletionRequest,
+    response_id: str,
+    prepared: list[PreparedPrompt],
+    outs: list[RequestOutput | None],
+    scores: Scores,
+    model: str,
 ) -> CompletionResponse:
     choices = []
-    for i, out in enumerate(outs):
+    for i, (p, out) in enumerate(zip(prepared, outs, strict=True)):
+        echo_lp, prompt_lp = _echo_part(engine, req, p, scores[i])
+        if out is None:  # scored only
+            lp = echo_lp if req.logprobs is not None else None
+            choices += [
+                CompletionChoice(index=i * req.n + j, text=p.echo_text, logprobs=lp, finish_reason="length",
+                                 prompt_logprobs=prompt_lp, token_ids=[] if engine.tokenizer is None else None)
+                for j in range(req.n)
+            ]
+            continue
         for c in out.outputs:
-            text = c.text
-            start = 0
-            if req.echo and out.prompt is not None:
-                text = out.prompt + text
-                start = len(out.prompt)  # text_offset counts from the start of the returned text
             logprobs = None
             if req.logprobs is not None and c.logprobs is not None:
-                logprobs = completion_logprobs(engine.tokenizer, c.token_ids, c.logprobs, req.logprobs, start)
+                gen = completion_logprobs(engine.tokenizer, c.token_ids, c.logprobs, req.logprobs,
+                                          len(p.echo_text))
+                logprobs = gen if echo_lp is None else joined(echo_lp, gen)
             choices.append(
                 CompletionChoice(
                     index=i * req.n + c.index,
-                    text=text,
+                    text=p.echo_text + c.text,
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    prompt_logprobs=prompt_lp,
+                    token_ids=list(c.token_ids) if engine.tokenizer is None else None,
                 )
             )
-    return CompletionResponse(id=response_id, model=model, choices=choices, usage=_usage(outs))
+    return CompletionResponse(id=response_id, model=model, choices=choices, usage=_usage(prepared, outs))
 
 
 async def completion_stream(
@@ -108,22 +169,29 @@ async def completion_stream(
     req: CompletionRequest,
     response_id: str,
     prepared: list[PreparedPrompt],
-    streams: list[RequestStream],
+    streams: list[RequestStream | None],
+    scores: Scores,
     model: str,
 ) -> AsyncIterator[str]:
     created = int(time.time())
-    cursors = [[ChoiceCursor(stop_holdback(p.params)) for _ in range(req.n)] for p in prepared]
+    holdbacks = [0 if p.params is None else stop_holdback(p.params) for p in prepared]
+    cursors = [[ChoiceCursor(h) for _ in range(req.n)] for h in holdbacks]
     # text_offset of the next token, counted from the start of the choice's text (the echoed prompt too)
-    offsets = [[len(p.text or "") if req.echo else 0] * req.n for p in prepared]
+    offsets = [[len(p.echo_text)] * req.n for p in prepared]
+    running = [(i, s) for i, s in enumerate(streams) if s is not None]
     last: dict[int, RequestOutput] = {}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     try:
-        if req.echo:
-            for i, p in enumerate(prepared):
-                for j in range(req.n):
-                    if p.text:
-                        yield _chunk(response_id, created, model, i * req.n + j, p.text, None, None)
-        async for i, out in merge_streams(streams):
+        for i, p in enumerate(prepared):  # the echoed prompt (and its logprobs) first
+            echo_lp, prompt_lp = _echo_part(engine, req, p, scores[i])
+            if not (req.echo or prompt_lp) and p.params is not None:
+                continue
+            finish = "length" if p.params is None else None
+            for j in range(req.n):
+                yield _chunk(response_id, created, model, i * req.n + j, p.echo_text, echo_lp, finish,
+                             prompt_logprobs=prompt_lp)
+        async for k, out in merge_streams([s for _, s in running]):
+            i = running[k][0]
             last[i] = out
             for c in out.outputs:
                 d = cursors[i][c.index].advance(c)
@@ -146,15 +214,13 @@ async def completion_stream(
                     logprobs,
                     d.finish_reason,
                     c.stop_reason,
+                    token_ids=d.token_ids if engine.tokenizer is None else None,
                 )
         if include_usage:
+            outs = [last.get(i) for i in range(len(prepared))]
             yield sse(
                 CompletionStreamResponse(
-                    id=response_id,
-                    created=created,
-                    model=model,
-                    choices=[],
-                    usage=_usage(list(last.values())),
+                    id=response_id, created=created, model=model, choices=[], usage=_usage(prepared, outs)
                 )
             )
         yield DONE
@@ -163,7 +229,7 @@ async def completion_stream(
         yield DONE
     finally:
         for p, s in zip(prepared, streams, strict=True):
-            if not s.finished:
+            if s is not None and not s.finished:
                 engine.abort(p.request_id)
 
 
@@ -176,8 +242,11 @@ def _chunk(
     logprobs: CompletionLogprobs | None,
     finish_reason: str | None,
     stop_reason: int | str | None = None,
+    prompt_logprobs: PromptLogprobs | None = None,
+    token_ids: list[int] | None = None,
 ) -> str:
     choice = CompletionChoice(
-        index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason
+        index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason,
+        prompt_logprobs=prompt_logprobs, token_ids=token_ids,
     )
     return sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))

@@ -1,14 +1,17 @@
 // Memory plan: the planner as a form, the loaded model beside the real 27B configs.
 import { api, badge, bytes, el } from "./draw.js";
 import { t } from "./i18n.js";
+import { state } from "./state.js";
 
 const out = () => document.getElementById("plan-out");
-const inputs = { max_model_len: 32768, max_num_seqs: 8, kv_cache_dtype: "auto", tp: 4 };
+// tp starts at the engine's own tensor-parallel size: the loaded model's column plans what really runs.
+const inputs = { max_model_len: 32768, max_num_seqs: 8, kv_cache_dtype: "auto", tp: null };
 let data = null;
 
 export function show() { if (!data) load(); else render(); }
 
 async function load() {
+  if (inputs.tp === null) inputs.tp = state.model?.tensor_parallel_size || 1;
   const q = new URLSearchParams(inputs).toString();
   try { data = await api(`/inspect/api/plan?${q}`); } catch (e) { data = { error: e.message }; }
   render();
