@@ -33,8 +33,9 @@ def worker(model: str, threads: int) -> dict[str, float]:
     from deltaserve import LLM, SamplingParams
 
     torch.set_num_threads(threads)
+    # Prefix caching off on both sides: a checkout before it had none, and bench_prefix measures its cost.
     llm = LLM(model=model, max_num_seqs=64, max_model_len=4096, max_num_batched_tokens=2048,
-              kv_cache_memory=1 << 30)
+              kv_cache_memory=1 << 30, enable_prefix_caching=False)
     vocab = llm.engine.model_config.vocab_size
     prompt = [(7 * i + 11) % vocab for i in range(16)]
 
