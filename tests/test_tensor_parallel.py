@@ -1,7 +1,8 @@
 """Tensor parallelism on this machine (gloo, a worker process per rank beyond the first): TP = 2 against
 TP = 1 on random checkpoints, greedy tokens identical and logits within 1e-5, through attention and GDN
 head splits (TINY: KV heads split), replicated KV heads with tied embeddings (27B ratios: one KV head),
-MTP speculation, prompts chunked across steps; each rank's cache held to `deltaserve plan --tp 2`; an
+MTP speculation, prompts chunked across steps, with the fused C++ step on every rank (its all-reduce hook)
+and with the torch reference executor (enforce_eager); each rank's cache held to `deltaserve plan --tp 2`; an
 indivisible shape's error; a killed worker's prompt error."""
 
 from __future__ import annotations
@@ -31,19 +32,21 @@ MAX_LEN, SEQS, BLOCK = 96, 4, 16
 PROMPTS = [list(range(3, 26)), [5, 9, 2, 7, 7, 1, 4, 8, 3, 6, 11], [17, 3, 40]]  # 23 tokens: chunked by 16
 
 
-def make_engine(path: Path, tp: int, k: int = 0) -> LLMEngine:
+def make_engine(path: Path, tp: int, k: int = 0, eager: bool = False) -> LLMEngine:
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
     return LLMEngine(EngineConfig(
-        model=str(path), tensor_parallel_size=tp, enforce_eager=True, max_num_seqs=SEQS, max_model_len=MAX_LEN,
+        model=str(path), tensor_parallel_size=tp, enforce_eager=eager, max_num_seqs=SEQS, max_model_len=MAX_LEN,
         num_kv_blocks=SEQS * (MAX_LEN // BLOCK), block_size=BLOCK, max_num_batched_tokens=16,
         speculative_config=spec,
     ))
 
 
 @contextlib.contextmanager
-def engines(path: Path, k: int = 0) -> Iterator[tuple[LLMEngine, LLMEngine]]:
-    one, two = make_engine(path, 1, k), make_engine(path, 2, k)
+def engines(path: Path, k: int = 0, eager: bool = False) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    one, two = make_engine(path, 1, k, eager), make_engine(path, 2, k, eager)
     try:
+        name = "torch" if eager else "fused-cpu"
+        assert (one.executor.name, two.executor.name) == (name, f"{name}-tp")
         yield one, two
     finally:
         two.close()
@@ -86,12 +89,12 @@ def assert_logits_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
 
 
-def test_attention_and_gdn_head_splits_with_mtp_and_chunked_prompts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("eager", [False, True], ids=["fused", "torch"])
+def test_attention_and_gdn_head_splits_with_mtp_and_chunked_prompts(tmp_path: Path, eager: bool) -> None:
     """TINY over 2 ranks: 2 of 4 query heads, 1 of 2 KV heads, 1 of 2 GDN key heads with 2 of 4 value
     heads, half the MLP, 64 of 128 padded vocabulary rows (96 real); MTP drafts 2 tokens per step."""
     path = save_official_layout(random_hf_model(TINY, seed=5), tmp_path, random_mtp_tensors(TINY, seed=6))
-    with engines(path, k=2) as (one, two):
-        assert two.executor.name == "torch-tp"
+    with engines(path, k=2, eager=eager) as (one, two):
         assert_logits_close(logits_of_steps(one, mtp=True), logits_of_steps(two, mtp=True))
         assert greedy(two) == greedy(one)
         assert two.spec_metrics.num_drafts == one.spec_metrics.num_drafts > 0  # verify steps ran

@@ -132,14 +132,17 @@ class _FusedStack:
         if reason is not None:
             raise ValueError(f"the fused step cannot run this model: {reason}")
         ext = ext or load_extension()
-        cfg = model.config
+        cfg = model.rank_config  # this rank's heads and MLP width (the whole model's with one rank)
         with torch.no_grad():
             head = head | {"rotary.inv_freq": model.model.rotary.inv_freq.contiguous()}
             weights = [_layer_weights(layer, cache) for layer in layers]
-        self._impl = ext.FusedStack(
-            {name: getattr(cfg, name) for name in DIMS}, cfg.rms_norm_eps, head,
-            [layer.layer_type for layer in layers], weights, mtp,
-        )
+        dims = {name: getattr(cfg, name) for name in DIMS}
+        vocab_rows = head["embed_tokens.weight"].shape[0]
+        dims["vocab_size"] = vocab_rows  # under tensor parallelism the rank's rows of the padded vocabulary
+        self._impl = ext.FusedStack(dims, cfg.rms_norm_eps, head, [layer.layer_type for layer in layers], weights, mtp)
+        shard = model.shard
+        if shard.size > 1:  # the row-parallel sums and the vocab-parallel embedding meet in the rank's group
+            self._impl.set_all_reduce(shard.all_reduce, shard.rank * vocab_rows)
         self.gdn_layer_ids = [layer.layer_id for layer in layers if layer.layer_type == "linear_attention"]
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
