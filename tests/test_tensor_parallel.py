@@ -101,6 +101,10 @@ def test_attention_and_gdn_head_splits_with_mtp_and_chunked_prompts(tmp_path: Pa
         assert two.spec_metrics.accepted_per_position == one.spec_metrics.accepted_per_position
         with pytest.raises(ShardOutsideStepError, match="rank 0 of 2"):  # not a hang without the workers
             two.model(torch.tensor([1, 2]), ForwardContext.stateless([2]))
+        step = ForwardContext.paged(two.cache_tensors, [1], [0], [[0]], [0])
+        with pytest.raises(ShardOutsideStepError, match="rank 0 of 2"):  # the fused step's hook raises it too
+            two.executor.local.forward(torch.tensor([3]), step)
+        assert greedy(two, max_tokens=3) == greedy(one, max_tokens=3)  # and the ranks are still in step
 
 
 def test_replicated_kv_heads_tied_embeddings_and_the_plan(tmp_path: Path) -> None:

@@ -11,6 +11,10 @@ run as one: their weights go across as the row blocks of one projection. Weights
 bfloat16 numbers also get a bf16 copy in panels, one per such projection (half a weight's fp32 bytes, +50%
 weight memory), that every projection streams instead of the fp32 weight. On CPUs with AVX512-BF16 such an
 lm_head keeps one more bf16 copy, in pairs along K, for greedy_tokens' screen.
+
+Under tensor parallelism a rank's stack is built from its shard: the rank's dims (rank_config; its rows of
+the padded vocabulary) and an all-reduce hook (the model's Shard) that the C++ calls with each row-parallel
+projection's partial output and the vocab-parallel embedding.
 """
 
 from __future__ import annotations
