@@ -25,6 +25,7 @@ from deltaserve.model.context import ForwardContext
 from deltaserve.model.loader import load_model
 from deltaserve.model.parallel import Shard, ShardOutsideStepError
 from deltaserve.model.sharding import rank_slice
+from deltaserve.ops.fused_ext import load_extension
 from deltaserve.sampling import SamplingParams
 from tests.checkpoints import RATIOS_27B, TINY, random_hf_model, random_mtp_tensors, save_official_layout
 
@@ -121,6 +122,22 @@ def test_replicated_kv_heads_tied_embeddings_and_the_plan(tmp_path: Path) -> Non
         assert plan.cache_bytes < plan_memory(cfg, MAX_LEN, SEQS, tp=1, block_size=BLOCK, dtype="float32").cache_bytes
         weights = {p.data_ptr(): p.numel() * p.element_size() for p in two.model.parameters()}  # tied once
         assert sum(weights.values()) == plan.weight_bytes
+
+
+def test_a_rank_without_the_fused_step_puts_every_rank_on_the_torch_executor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 cannot build the C++ step (no compiler there), rank 0 has it: the ranks' collectives must pair
+    up (the fused step's last layer all-reduces only the rows asked for), so both run torch, still right."""
+    path = save_official_layout(random_hf_model(TINY, seed=5), tmp_path)
+    load_extension()  # rank 0's build, before the worker's environment loses the compiler
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    one, two = make_engine(path, 1), make_engine(path, 2)
+    try:
+        assert (one.executor.name, two.executor.name) == ("fused-cpu", "torch-tp")
+        assert greedy(two) == greedy(one)
+    finally:
+        two.close()
 
 
 def test_each_rank_reads_its_part_of_every_tensor(tmp_path: Path) -> None:

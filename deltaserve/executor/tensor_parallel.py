@@ -49,7 +49,7 @@ class TensorParallelError(RuntimeError):
 
 
 class TensorParallelExecutor(Executor):
-    name = "torch-tp"  # "fused-cpu-tp" when every rank runs the fused step, "mixed-tp" when only some do
+    name = "torch-tp"  # or "fused-cpu-tp": the ranks' executor (all run the same one: build_rank)
 
     def __init__(self, rank: Rank, workers: list[subprocess.Popen] | None) -> None:
         """rank: rank 0's shard, cache and executor; workers: the local worker processes (None: launched
@@ -58,7 +58,7 @@ class TensorParallelExecutor(Executor):
         self.cache = rank.cache
         self.shard = rank.model.shard
         self.local = rank.executor
-        self.name = tp_executor_name(rank.executors)
+        self.name = f"{rank.executors[0]}-tp"  # what every rank runs (build_rank: all the same)
         self.workers = workers or []
         self.error: str | None = None
         self._lock = threading.Lock()
@@ -234,17 +234,10 @@ def start_tensor_parallel(
         raise TensorParallelError(
             f"tensor-parallel startup failed ({'; '.join(dead) or e}); see the workers' log above"
         ) from e
-    name = tp_executor_name(rank0.executors)
-    log.info("executor: %s (%s)", name, ", ".join(f"rank {r}: {e}" for r, e in enumerate(rank0.executors)))
     executor = TensorParallelExecutor(rank0, workers)
+    log.info("executor: %s (each of %d ranks runs %s on its shard)", executor.name, tp, rank0.executors[0])
     atexit.register(executor.close)
     return executor
-
-
-def tp_executor_name(executors: list[str]) -> str:
-    """The TP executor's name from what its ranks run (tp_rank.EXECUTOR_KINDS, in rank order)."""
-    kinds = set(executors)
-    return f"{kinds.pop()}-tp" if len(kinds) == 1 else "mixed-tp"
 
 
 def _free_port() -> int:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from deltaserve.cache.tensors import allocate_cache
 from deltaserve.executor.base import Executor
 from deltaserve.executor.factory import make_executor
+from deltaserve.executor.torch_executor import TorchExecutor
 from deltaserve.executor.tp_protocol import Command, Message, cache_bytes, receive, unpack_step
 from deltaserve.model.context import CacheTensors, ForwardContext
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
@@ -59,7 +60,10 @@ class Rank:
 def build_rank(spec: RankSpec, shard: Shard) -> Rank:
     """This rank's shard of the checkpoint, its cache (its KV heads, its GDN value heads) and its executor,
     chosen by make_executor's rule (the fused step for fp32 unless enforce_eager; it logs why not). Every
-    rank then learns what each runs (a collective: every rank calls this at startup)."""
+    rank then learns what each runs (a collective: every rank calls this at startup). The ranks must all run
+    the same one: their collectives pair up by order and shape, and the two executors differ there (the fused
+    step's last layer all-reduces only output_rows), so where one rank could not build the fused step (its
+    compiler failed, say) every rank runs the torch executor."""
     model = load_model(spec.model, spec.dtype, with_mtp=spec.with_mtp, shard=shard)
     kv_dtype = getattr(torch, spec.kv_dtype)
     cache = allocate_cache(
@@ -67,6 +71,11 @@ def build_rank(spec: RankSpec, shard: Shard) -> Rank:
     )
     executor = make_executor(model, cache, enforce_eager=spec.enforce_eager, with_mtp=spec.with_mtp)
     executors = [EXECUTOR_KINDS[i] for i in gather_ints(EXECUTOR_KINDS.index(executor.name))]
+    if len(set(executors)) > 1:
+        torch_ranks = [r for r, name in enumerate(executors) if name == "torch"]
+        log.warning("executor on rank %d of %d: torch, since rank(s) %s run the torch executor (see their log)",
+                    shard.rank, shard.size, torch_ranks)
+        executor, executors = TorchExecutor(model, cache), ["torch"] * len(executors)
     return Rank(model, cache, executor, executors)
 
 
