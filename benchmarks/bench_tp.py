@@ -1,8 +1,10 @@
 """Tensor parallelism on this machine (not a test): prefill and decode tok/s and each rank's resident memory
-for TP = 2 (1 thread per rank), TP = 1 with 2 threads and TP = 1 with 1 thread, all on the torch reference
-executor (what every rank runs under TP), and the time rank 0 spends in collectives per step.
+for TP = 2 (1 thread per rank), TP = 1 with 2 threads and TP = 1 with 1 thread, every rank on the fused C++
+step (or with --executor torch on the torch reference executor), and the time rank 0 spends in collectives
+per step.
 
     .venv/bin/python benchmarks/bench_tp.py [--dir /tmp/bench_tp_ckpt] [--layers 24] [--prompt 128] [--decode 32]
+                                            [--executor fused|torch]
 
 The checkpoint is random at the Qwen3.5-0.8B shape (REFERENCE.md "Released shapes": hidden 1024, 24
 layers, MLP 3584, 8 / 2 attention heads of 256, 16 / 16 GDN heads of 128, vocab 248320, tied), written
@@ -73,7 +75,7 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def run_one(path: Path, tp: int, threads: int, prompt: int, decode: int) -> dict:
+def run_one(path: Path, tp: int, threads: int, prompt: int, decode: int, executor: str) -> dict:
     """One configuration in this process: its numbers as a dict."""
     import torch
 
@@ -83,7 +85,8 @@ def run_one(path: Path, tp: int, threads: int, prompt: int, decode: int) -> dict
     from deltaserve.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig(
-        model=str(path), tensor_parallel_size=tp, enforce_eager=True, max_num_seqs=1, max_model_len=512,
+        model=str(path), tensor_parallel_size=tp, enforce_eager=executor == "torch", max_num_seqs=1,
+        max_model_len=512,
         max_num_batched_tokens=prompt,
     ))
     shard = engine.model.shard
@@ -101,7 +104,7 @@ def run_one(path: Path, tp: int, threads: int, prompt: int, decode: int) -> dict
         (f"rank {r}", p.pid) for r, p in enumerate(getattr(engine.executor, "workers", []), start=1)
     ]
     out = dict(
-        tp=tp, threads_per_rank=threads, prompt=prompt, decode_steps=steps,
+        tp=tp, threads_per_rank=threads, executor=engine.executor.name, prompt=prompt, decode_steps=steps,
         prefill_tok_s=prompt / prefill_s, decode_tok_s=steps / decode_s,
         collective_ms_per_decode_step=(shard.collective_seconds - c0) / steps * 1e3,
         rss_mib={name: round(rss_mib(pid)) for name, pid in pids},
@@ -116,19 +119,21 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--decode", type=int, default=32)
+    p.add_argument("--executor", choices=("fused", "torch"), default="fused")
     p.add_argument("--one", nargs=2, type=int, metavar=("TP", "THREADS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.dir, *args.one, args.prompt, args.decode)))
+        print(json.dumps(run_one(args.dir, *args.one, args.prompt, args.decode, args.executor)))
         return
     write_checkpoint(args.dir, args.layers)
     for tp, threads in ((2, 1), (1, 2), (1, 1)):
         cmd = [sys.executable, __file__, "--dir", str(args.dir), "--prompt", str(args.prompt),
-               "--decode", str(args.decode), "--one", str(tp), str(threads)]
+               "--decode", str(args.decode), "--executor", args.executor, "--one", str(tp), str(threads)]
         env = dict(__import__("os").environ, OMP_NUM_THREADS=str(threads))
         line = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout.strip()
         r = json.loads(line.splitlines()[-1])
-        print(f"TP={r['tp']} x {r['threads_per_rank']} thread(s): prefill {r['prefill_tok_s']:.1f} tok/s, "
+        print(f"TP={r['tp']} x {r['threads_per_rank']} thread(s), {r['executor']}: "
+              f"prefill {r['prefill_tok_s']:.1f} tok/s, "
               f"decode {r['decode_tok_s']:.2f} tok/s, collectives {r['collective_ms_per_decode_step']:.2f} "
               f"ms/decode step, RSS {r['rss_mib']} MiB", flush=True)
 

@@ -165,27 +165,31 @@ def test_parameter_count_matches_transformers(shape: dict) -> None:
     assert plan.mtp_params == sum(t.numel() for t in random_mtp_tensors(shape).values())
 
 
-@pytest.mark.parametrize("tie, mtp", [(False, True), (True, False)], ids=["untied-with-mtp", "tied"])
-def test_fp32_plan_of_a_bf16_checkpoint(tie: bool, mtp: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("tie, mtp, tp", [(False, True, 1), (True, False, 1), (False, True, 2)],
+                         ids=["untied-with-mtp", "tied", "tp2-rank0"])
+def test_fp32_plan_of_a_bf16_checkpoint(tie: bool, mtp: bool, tp: int, tmp_path: Path) -> None:
     """Computing a bf16 checkpoint in fp32 (the CPU default): weights count 4 bytes each, and the fused
-    step's bf16 copies are the bytes its panels really take (plus the lm_head's copy for the screen)."""
+    step's bf16 copies are the bytes its panels really take (plus the lm_head's copy for the screen); under
+    tensor parallelism, those of a rank's shard (rank 0's stacks, built without a process group)."""
     import deltaserve.executor.fused_cpu.stack as fused
     from deltaserve.model.loader import load_model
+    from deltaserve.model.parallel import Shard
+    from deltaserve.model.sharding import rank_config, rank_shape
     from tests.checkpoints import random_hf_model, save_official_layout
 
     hf = random_hf_model(TINY, seed=3, tie=tie).to(torch.bfloat16)
     mtp_tensors = {k: v.bfloat16() for k, v in random_mtp_tensors(TINY).items()} if mtp else None
     path = save_official_layout(hf, tmp_path, mtp_tensors)
     cfg = ModelConfig.from_file(path)
-    plan = plan_memory(cfg, 64, 1, dtype="float32", with_mtp=mtp)
-    bf16 = plan_memory(cfg, 64, 1, with_mtp=mtp)
+    plan = plan_memory(cfg, 64, 1, dtype="float32", with_mtp=mtp, tp=tp)
+    bf16 = plan_memory(cfg, 64, 1, with_mtp=mtp, tp=tp)
     assert plan.weight_dtype == "float32" and plan.weight_bytes == 2 * bf16.weight_bytes
     assert plan.total_bytes == plan.weight_bytes + plan.fused_copy_bytes + plan.cache_bytes
     assert "fused step on a CPU" in format_plan(plan)
     assert bf16.fused_copy_bytes == 0  # bf16 compute: no fused step
 
-    model = load_model(path, dtype="float32", with_mtp=mtp)
-    cache = allocate_cache(model.config, num_blocks=4, block_size=16, num_slots=1, with_mtp=mtp)
+    model = load_model(path, dtype="float32", with_mtp=mtp, shard=Shard(0, tp))
+    cache = allocate_cache(rank_config(cfg, tp), num_blocks=4, block_size=16, num_slots=1, with_mtp=mtp)
     panel_bytes = []
     real_linear = fused._linear
 
@@ -201,8 +205,8 @@ def test_fp32_plan_of_a_bf16_checkpoint(tie: bool, mtp: bool, tmp_path: Path) ->
             fused.FusedMTP(model, cache)
     finally:
         fused._linear = real_linear
-    V, H = cfg.vocab_size, cfg.hidden_size
-    screen = -(-V // 64) * 64 * 2 * -(-H // 2) * 2  # the lm_head in pairs, bf16
+    V, H = cfg.vocab_size if tp == 1 else rank_shape(cfg, tp).vocab, cfg.hidden_size
+    screen = -(-V // 64) * 64 * 2 * -(-H // 2) * 2  # the lm_head (the rank's rows) in pairs, bf16
     assert plan.fused_copy_bytes == sum(panel_bytes) + screen
 
 

@@ -1,7 +1,8 @@
 """Tensor parallelism on this machine (gloo, a worker process per rank beyond the first): TP = 2 against
 TP = 1 on random checkpoints, greedy tokens identical and logits within 1e-5, through attention and GDN
 head splits (TINY: KV heads split), replicated KV heads with tied embeddings (27B ratios: one KV head),
-MTP speculation, prompts chunked across steps; each rank's cache held to `deltaserve plan --tp 2`; an
+MTP speculation, prompts chunked across steps, with the fused C++ step on every rank (its all-reduce hook)
+and with the torch reference executor (enforce_eager); each rank's cache held to `deltaserve plan --tp 2`; an
 indivisible shape's error; a killed worker's prompt error."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from deltaserve.model.context import ForwardContext
 from deltaserve.model.loader import load_model
 from deltaserve.model.parallel import Shard, ShardOutsideStepError
 from deltaserve.model.sharding import rank_slice
+from deltaserve.ops.fused_ext import load_extension
 from deltaserve.sampling import SamplingParams
 from tests.checkpoints import RATIOS_27B, TINY, random_hf_model, random_mtp_tensors, save_official_layout
 
@@ -31,19 +33,21 @@ MAX_LEN, SEQS, BLOCK = 96, 4, 16
 PROMPTS = [list(range(3, 26)), [5, 9, 2, 7, 7, 1, 4, 8, 3, 6, 11], [17, 3, 40]]  # 23 tokens: chunked by 16
 
 
-def make_engine(path: Path, tp: int, k: int = 0) -> LLMEngine:
+def make_engine(path: Path, tp: int, k: int = 0, eager: bool = False) -> LLMEngine:
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
     return LLMEngine(EngineConfig(
-        model=str(path), tensor_parallel_size=tp, enforce_eager=True, max_num_seqs=SEQS, max_model_len=MAX_LEN,
+        model=str(path), tensor_parallel_size=tp, enforce_eager=eager, max_num_seqs=SEQS, max_model_len=MAX_LEN,
         num_kv_blocks=SEQS * (MAX_LEN // BLOCK), block_size=BLOCK, max_num_batched_tokens=16,
         speculative_config=spec,
     ))
 
 
 @contextlib.contextmanager
-def engines(path: Path, k: int = 0) -> Iterator[tuple[LLMEngine, LLMEngine]]:
-    one, two = make_engine(path, 1, k), make_engine(path, 2, k)
+def engines(path: Path, k: int = 0, eager: bool = False) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    one, two = make_engine(path, 1, k, eager), make_engine(path, 2, k, eager)
     try:
+        name = "torch" if eager else "fused-cpu"
+        assert (one.executor.name, two.executor.name) == (name, f"{name}-tp")
         yield one, two
     finally:
         two.close()
@@ -86,18 +90,22 @@ def assert_logits_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
 
 
-def test_attention_and_gdn_head_splits_with_mtp_and_chunked_prompts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("eager", [False, True], ids=["fused", "torch"])
+def test_attention_and_gdn_head_splits_with_mtp_and_chunked_prompts(tmp_path: Path, eager: bool) -> None:
     """TINY over 2 ranks: 2 of 4 query heads, 1 of 2 KV heads, 1 of 2 GDN key heads with 2 of 4 value
     heads, half the MLP, 64 of 128 padded vocabulary rows (96 real); MTP drafts 2 tokens per step."""
     path = save_official_layout(random_hf_model(TINY, seed=5), tmp_path, random_mtp_tensors(TINY, seed=6))
-    with engines(path, k=2) as (one, two):
-        assert two.executor.name == "torch-tp"
+    with engines(path, k=2, eager=eager) as (one, two):
         assert_logits_close(logits_of_steps(one, mtp=True), logits_of_steps(two, mtp=True))
         assert greedy(two) == greedy(one)
         assert two.spec_metrics.num_drafts == one.spec_metrics.num_drafts > 0  # verify steps ran
         assert two.spec_metrics.accepted_per_position == one.spec_metrics.accepted_per_position
         with pytest.raises(ShardOutsideStepError, match="rank 0 of 2"):  # not a hang without the workers
             two.model(torch.tensor([1, 2]), ForwardContext.stateless([2]))
+        step = ForwardContext.paged(two.cache_tensors, [1], [0], [[0]], [0])
+        with pytest.raises(ShardOutsideStepError, match="rank 0 of 2"):  # the fused step's hook raises it too
+            two.executor.local.forward(torch.tensor([3]), step)
+        assert greedy(two, max_tokens=3) == greedy(one, max_tokens=3)  # and the ranks are still in step
 
 
 def test_replicated_kv_heads_tied_embeddings_and_the_plan(tmp_path: Path) -> None:
@@ -114,6 +122,22 @@ def test_replicated_kv_heads_tied_embeddings_and_the_plan(tmp_path: Path) -> Non
         assert plan.cache_bytes < plan_memory(cfg, MAX_LEN, SEQS, tp=1, block_size=BLOCK, dtype="float32").cache_bytes
         weights = {p.data_ptr(): p.numel() * p.element_size() for p in two.model.parameters()}  # tied once
         assert sum(weights.values()) == plan.weight_bytes
+
+
+def test_a_rank_without_the_fused_step_puts_every_rank_on_the_torch_executor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 cannot build the C++ step (no compiler there), rank 0 has it: the ranks' collectives must pair
+    up (the fused step's last layer all-reduces only the rows asked for), so both run torch, still right."""
+    path = save_official_layout(random_hf_model(TINY, seed=5), tmp_path)
+    load_extension()  # rank 0's build, before the worker's environment loses the compiler
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    one, two = make_engine(path, 1), make_engine(path, 2)
+    try:
+        assert (one.executor.name, two.executor.name) == ("fused-cpu", "torch-tp")
+        assert greedy(two) == greedy(one)
+    finally:
+        two.close()
 
 
 def test_each_rank_reads_its_part_of_every_tensor(tmp_path: Path) -> None:

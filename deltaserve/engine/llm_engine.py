@@ -104,7 +104,7 @@ class LLMEngine:
         if tp > 1:
             self.executor = start_tensor_parallel(
                 str(path), dtype, tp, with_mtp=k > 0, num_blocks=plan.num_blocks, block_size=config.block_size,
-                num_slots=plan.num_slots, kv_dtype=kv_dtype,
+                num_slots=plan.num_slots, kv_dtype=kv_dtype, enforce_eager=config.enforce_eager,
             )
             self.model, self.cache_tensors = self.executor.model, self.executor.cache  # rank 0's shard
         else:

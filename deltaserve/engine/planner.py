@@ -6,6 +6,7 @@ disagree; per-rank head counts are deltaserve/model/sharding.py's; `deltaserve p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from deltaserve.cache.sizing import (
 )
 from deltaserve.config import ModelConfig
 from deltaserve.executor import fused_copy_bytes
-from deltaserve.model.sharding import RankShape, rank_shape
+from deltaserve.model.sharding import RankShape, rank_config, rank_shape
 
 FP8_SCALE_BYTES = 4  # one fp32 weight_scale_inv per block
 # Modules an FP8 block-quantized checkpoint keeps in high precision when its config does not list them:
@@ -393,7 +394,9 @@ def plan_memory(
         model_name=model_name,
     )
     fused = not cfg.is_moe  # the fused step has no MoE block: MoE models run the torch executor
-    if fused and tp == 1 and wdtype == "float32" and normalize_dtype(cfg.torch_dtype) == "bfloat16":
-        plan.fused_copy_bytes = fused_copy_bytes(cfg, with_mtp)
+    if fused and wdtype == "float32" and normalize_dtype(cfg.torch_dtype) == "bfloat16":
+        # Under tensor parallelism each rank's fused step copies its shard: its heads, its vocabulary rows.
+        rank_cfg = cfg if tp == 1 else dataclasses.replace(rank_config(cfg, tp), vocab_size=r.vocab)
+        plan.fused_copy_bytes = fused_copy_bytes(rank_cfg, with_mtp)
     plan.total_bytes = plan.weight_bytes + plan.fused_copy_bytes + plan.cache_bytes
     return plan

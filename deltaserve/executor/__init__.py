@@ -1,6 +1,6 @@
 """Runs the model for one engine step, behind one interface (base.Executor), picked in one place
 (factory.make_executor): the torch reference executor or the fused CPU executor. With tensor parallelism
-(start_tensor_parallel) the engine gets the TP executor, whose ranks each run the torch reference executor."""
+(start_tensor_parallel) the engine gets the TP executor, whose ranks each run one of those on their shard."""
 
 from deltaserve.executor.base import Executor
 from deltaserve.executor.factory import make_executor

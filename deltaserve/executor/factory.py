@@ -17,23 +17,30 @@ log = logging.getLogger(__name__)
 def make_executor(
     model: Qwen3_5ForCausalLM, cache: CacheTensors, *, enforce_eager: bool = False, with_mtp: bool = False
 ) -> Executor:
-    """with_mtp: speculative decoding will call mtp_hidden."""
+    """with_mtp: speculative decoding will call mtp_hidden. A tensor-parallel rank's shard (model.shard) gets
+    the same choice: the fused step then all-reduces through the rank's group."""
     from deltaserve.executor.fused_cpu import FusedCPUExecutor, supported
 
+    shard = model.shard
+    rank = f" on rank {shard.rank} of {shard.size}" if shard.size > 1 else ""
     if enforce_eager:
-        log.info("executor: torch (enforce_eager)")
+        log.info("executor%s: torch (enforce_eager)", rank)
         return TorchExecutor(model, cache)
     if model.config.is_moe:
-        log.info("executor: torch, since the fused step has no MoE block yet")
+        log.info("executor%s: torch, since the fused step has no MoE block yet", rank)
         return TorchExecutor(model, cache)
     reason = supported(model, cache)
     if reason is not None:
-        log.info("executor: torch, since %s (the fused step is float32 only)", reason)
+        log.info("executor%s: torch, since %s (the fused step is float32 only)", rank, reason)
         return TorchExecutor(model, cache)
     try:
         executor = FusedCPUExecutor(model, cache, with_mtp=with_mtp)
     except FusedBuildError as e:
-        log.warning("executor: torch, since %s", e)  # the error says what that costs
+        log.warning("executor%s: torch, since %s", rank, e)  # the error says what that costs
         return TorchExecutor(model, cache)
-    log.info("executor: fused-cpu (one C++ call per step)")
+    if shard.size > 1:
+        log.info("executor%s: fused-cpu (one C++ call per step on the rank's shard, all-reduces through gloo)",
+                 rank)
+    else:
+        log.info("executor: fused-cpu (one C++ call per step)")
     return executor

@@ -1,9 +1,10 @@
 """Tensor parallelism: rank 0 of N runs in the engine's process (the driver), ranks 1..N-1 are worker
 processes (executor/tp_worker.py) in one torch.distributed process group. Each call the driver broadcasts
-the step (tp_protocol.py), then every rank runs its shard of the same forward with the torch reference
-executor; the row-parallel all-reduces leave the hidden states replicated, so sampling happens once, here.
-Logits are vocab-parallel and gathered. GDN states live per rank, so MTP passes and commit_verified run on
-every rank too.
+the step (tp_protocol.py), then every rank runs its shard of the same forward with the executor
+make_executor chose for it (the fused C++ step, which calls the all-reduces through a hook, or the torch
+reference executor); the row-parallel all-reduces leave the hidden states replicated, so sampling happens
+once, here. Logits are vocab-parallel and gathered; greedy tokens are the argmax of the gathered logits.
+GDN states live per rank, so MTP passes and commit_verified run on every rank too.
 
 Failure is loud, never a hang: before each call the driver checks that its local workers live; a
 collective that fails (a peer gone, or no answer within DELTASERVE_TP_TIMEOUT) marks the executor failed
@@ -25,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from deltaserve.executor.base import Executor, Rows
-from deltaserve.executor.torch_executor import TorchExecutor
 from deltaserve.executor.tp_protocol import (
     BACKEND,
     Command,
@@ -35,9 +35,8 @@ from deltaserve.executor.tp_protocol import (
     pack_step,
     send,
 )
-from deltaserve.executor.tp_rank import DTYPE_NAMES, RankSpec, build_rank, gather_ints
-from deltaserve.model.context import CacheTensors, ForwardContext
-from deltaserve.model.decoder import Qwen3_5ForCausalLM
+from deltaserve.executor.tp_rank import DTYPE_NAMES, Rank, RankSpec, build_rank, gather_ints
+from deltaserve.model.context import ForwardContext
 from deltaserve.model.parallel import Shard
 
 log = logging.getLogger(__name__)
@@ -50,15 +49,16 @@ class TensorParallelError(RuntimeError):
 
 
 class TensorParallelExecutor(Executor):
-    name = "torch-tp"
+    name = "torch-tp"  # or "fused-cpu-tp": the ranks' executor (all run the same one: build_rank)
 
-    def __init__(self, model: Qwen3_5ForCausalLM, cache: CacheTensors, workers: list[subprocess.Popen] | None
-                 ) -> None:
-        """model, cache: rank 0's shard; workers: the local worker processes (None: launched elsewhere)."""
-        self.model = model
-        self.cache = cache
-        self.shard = model.shard
-        self.local = TorchExecutor(model, cache)
+    def __init__(self, rank: Rank, workers: list[subprocess.Popen] | None) -> None:
+        """rank: rank 0's shard, cache and executor; workers: the local worker processes (None: launched
+        elsewhere)."""
+        self.model = rank.model
+        self.cache = rank.cache
+        self.shard = rank.model.shard
+        self.local = rank.executor
+        self.name = f"{rank.executors[0]}-tp"  # what every rank runs (build_rank: all the same)
         self.workers = workers or []
         self.error: str | None = None
         self._lock = threading.Lock()
@@ -184,13 +184,13 @@ class TensorParallelExecutor(Executor):
 
 def start_tensor_parallel(
     model_path: str, dtype: torch.dtype, tp: int, *, with_mtp: bool, num_blocks: int, block_size: int,
-    num_slots: int, kv_dtype: torch.dtype,
+    num_slots: int, kv_dtype: torch.dtype, enforce_eager: bool = False,
 ) -> TensorParallelExecutor:
     """Join (or form) the process group of tp ranks as rank 0 and build every rank's shard and cache.
 
     With RANK set in the environment the other ranks are launched elsewhere (torchrun-style: MASTER_ADDR,
     MASTER_PORT, WORLD_SIZE=tp, RANK=0 here); otherwise ranks 1..tp-1 start here as local processes on a
-    free loopback port."""
+    free loopback port. Each rank runs the executor make_executor's rule gives it (enforce_eager: torch)."""
     external = "RANK" in os.environ
     if external:
         rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "-1"))
@@ -215,12 +215,12 @@ def start_tensor_parallel(
              "external" if external else "local", addr, port)
     spec = RankSpec(model=str(model_path), dtype=DTYPE_NAMES[dtype], with_mtp=with_mtp, num_blocks=num_blocks,
                     block_size=block_size, num_slots=num_slots, kv_dtype=DTYPE_NAMES[kv_dtype],
-                    threads=torch.get_num_threads())
+                    threads=torch.get_num_threads(), enforce_eager=enforce_eager)
     try:
         dist.init_process_group(BACKEND, init_method=f"tcp://{addr}:{port}", rank=0, world_size=tp,
                                 timeout=timedelta(seconds=timeout))
         dist.broadcast_object_list([spec.to_dict()], src=0)
-        model, cache = build_rank(spec, Shard(0, tp, dist.group.WORLD))
+        rank0 = build_rank(spec, Shard(0, tp, dist.group.WORLD))
         dist.barrier()
     except BaseException as e:
         dead = [f"rank {r} exited with code {p.poll()}" for r, p in enumerate(workers, start=1)
@@ -234,9 +234,8 @@ def start_tensor_parallel(
         raise TensorParallelError(
             f"tensor-parallel startup failed ({'; '.join(dead) or e}); see the workers' log above"
         ) from e
-    log.info("executor: torch-tp (each of %d ranks runs the torch reference executor on its shard; the "
-             "fused C++ step has no all-reduce hook yet)", tp)
-    executor = TensorParallelExecutor(model, cache, workers)
+    executor = TensorParallelExecutor(rank0, workers)
+    log.info("executor: %s (each of %d ranks runs %s on its shard)", executor.name, tp, rank0.executors[0])
     atexit.register(executor.close)
     return executor
 

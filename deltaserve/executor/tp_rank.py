@@ -1,5 +1,5 @@
 """One tensor-parallel rank: what the driver tells every rank at startup (RankSpec), building the rank's
-shard and cache from it, and how a worker answers the driver's calls (RankWorker)."""
+shard, cache and executor from it, and how a worker answers the driver's calls (RankWorker)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 from deltaserve.cache.tensors import allocate_cache
+from deltaserve.executor.base import Executor
+from deltaserve.executor.factory import make_executor
 from deltaserve.executor.torch_executor import TorchExecutor
 from deltaserve.executor.tp_protocol import Command, Message, cache_bytes, receive, unpack_step
 from deltaserve.model.context import CacheTensors, ForwardContext
@@ -25,7 +27,7 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 @dataclass(slots=True)
 class RankSpec:
     """What every rank builds: the checkpoint, its dtype, the cache pools (sized by the driver from the
-    per-rank config), and the intra-op threads per rank."""
+    per-rank config), the intra-op threads per rank, and whether the torch executor is forced."""
 
     model: str
     dtype: str
@@ -35,28 +37,55 @@ class RankSpec:
     num_slots: int
     kv_dtype: str
     threads: int
+    enforce_eager: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def build_rank(spec: RankSpec, shard: Shard) -> tuple[Qwen3_5ForCausalLM, CacheTensors]:
-    """This rank's shard of the checkpoint and its cache (its KV heads, its GDN value heads)."""
+EXECUTOR_KINDS = ("torch", "fused-cpu")  # what a rank may run, by the executors' names
+
+
+@dataclass(slots=True)
+class Rank:
+    """One rank's shard of the model, its cache, the executor that runs them, and every rank's executor name
+    (in rank order, the same list on every rank)."""
+
+    model: Qwen3_5ForCausalLM
+    cache: CacheTensors
+    executor: Executor
+    executors: list[str]
+
+
+def build_rank(spec: RankSpec, shard: Shard) -> Rank:
+    """This rank's shard of the checkpoint, its cache (its KV heads, its GDN value heads) and its executor,
+    chosen by make_executor's rule (the fused step for fp32 unless enforce_eager; it logs why not). Every
+    rank then learns what each runs (a collective: every rank calls this at startup). The ranks must all run
+    the same one: their collectives pair up by order and shape, and the two executors differ there (the fused
+    step's last layer all-reduces only output_rows), so where one rank could not build the fused step (its
+    compiler failed, say) every rank runs the torch executor."""
     model = load_model(spec.model, spec.dtype, with_mtp=spec.with_mtp, shard=shard)
     kv_dtype = getattr(torch, spec.kv_dtype)
     cache = allocate_cache(
         model.rank_config, spec.num_blocks, spec.block_size, spec.num_slots, kv_dtype, with_mtp=spec.with_mtp
     )
-    return model, cache
+    executor = make_executor(model, cache, enforce_eager=spec.enforce_eager, with_mtp=spec.with_mtp)
+    executors = [EXECUTOR_KINDS[i] for i in gather_ints(EXECUTOR_KINDS.index(executor.name))]
+    if len(set(executors)) > 1:
+        torch_ranks = [r for r, name in enumerate(executors) if name == "torch"]
+        log.warning("executor on rank %d of %d: torch, since rank(s) %s run the torch executor (see their log)",
+                    shard.rank, shard.size, torch_ranks)
+        executor, executors = TorchExecutor(model, cache), ["torch"] * len(executors)
+    return Rank(model, cache, executor, executors)
 
 
 class RankWorker:
     """A worker rank's loop: run each call the driver broadcasts on this rank's shard, until STOP."""
 
-    def __init__(self, model: Qwen3_5ForCausalLM, cache: CacheTensors) -> None:
-        self.model = model
-        self.cache = cache
-        self.executor = TorchExecutor(model, cache)
+    def __init__(self, rank: Rank) -> None:
+        self.model = rank.model
+        self.cache = rank.cache
+        self.executor = rank.executor
         self.last_step: ForwardContext | None = None  # the verify states commit_verified picks from
 
     @torch.inference_mode()

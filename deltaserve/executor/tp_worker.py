@@ -52,10 +52,10 @@ def run(model_path: str | None) -> int:
         if model_path is not None:
             spec.model = model_path
         torch.set_num_threads(spec.threads)
-        model, cache = build_rank(spec, Shard(rank, world, dist.group.WORLD))
-        log.info("rank %d of %d: loaded its shard of %s", rank, world, spec.model)
+        built = build_rank(spec, Shard(rank, world, dist.group.WORLD))
+        log.info("rank %d of %d: loaded its shard of %s (%s executor)", rank, world, spec.model, built.executor.name)
         dist.barrier()
-        RankWorker(model, cache).serve()
+        RankWorker(built).serve()
     except Exception:
         log.exception("tensor-parallel rank %d stopped", rank)
         return 1

@@ -20,6 +20,8 @@ class FusedCPUExecutor(Executor):
     def __init__(self, model: Qwen3_5ForCausalLM, cache: CacheTensors, with_mtp: bool = False) -> None:
         """with_mtp: build the MTP head's C++ stack too (speculative decoding drafts with it)."""
         self.trunk = FusedTrunk(model, cache)
+        self.shard = model.shard  # tensor parallelism: the stacks all-reduce in it; logits are gathered here
+        self.vocab_size = model.config.vocab_size
         self._mtp = None
         if with_mtp:
             if len(model.mtp.layers) == 1:
@@ -34,9 +36,15 @@ class FusedCPUExecutor(Executor):
         return self.trunk(input_ids, ctx, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor, rows: Rows = None) -> torch.Tensor:
-        return self.trunk.logits(hidden, rows)
+        logits = self.trunk.logits(hidden, rows)
+        if self.shard.size == 1:
+            return logits
+        # Each rank's vocabulary rows side by side, less the padding rows (Qwen3_5ForCausalLM.compute_logits).
+        return self.shard.all_gather_last(logits)[:, : self.vocab_size]
 
     def greedy_tokens(self, hidden: torch.Tensor, rows: Rows = None) -> torch.Tensor:
+        if self.shard.size > 1:  # the C++ greedy pass (and its bf16 screen) sees only this rank's rows
+            return self.compute_logits(hidden, rows).argmax(dim=-1)
         return self.trunk.greedy_tokens(hidden, rows)
 
     def mtp_hidden(self, next_token_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, step: int = 0

@@ -8,7 +8,7 @@ from deltaserve.executor.fused_cpu.stack import PANEL
 
 
 def fused_copy_bytes(cfg: ModelConfig, with_mtp: bool = False) -> int:
-    """What the CPU fused step (deltaserve/executor/fused_cpu; one process, no tensor parallelism) adds to fp32
+    """What the CPU fused step (deltaserve/executor/fused_cpu; cfg: one rank's under tensor parallelism) adds to fp32
     weights whose values are bf16 numbers: a bf16 copy in panels of every projection it runs, projections
     that read the same input fused into one (GDN q|k|v|z|b|a, attention q|k|v, MLP gate|up) and each padded
     to a whole number of 64-output panels; and the lm_head once more, in pairs along its input, for the

@@ -11,6 +11,10 @@ run as one: their weights go across as the row blocks of one projection. Weights
 bfloat16 numbers also get a bf16 copy in panels, one per such projection (half a weight's fp32 bytes, +50%
 weight memory), that every projection streams instead of the fp32 weight. On CPUs with AVX512-BF16 such an
 lm_head keeps one more bf16 copy, in pairs along K, for greedy_tokens' screen.
+
+Under tensor parallelism a rank's stack is built from its shard: the rank's dims (rank_config; its rows of
+the padded vocabulary) and an all-reduce hook (the model's Shard) that the C++ calls with each row-parallel
+projection's partial output and the vocab-parallel embedding.
 """
 
 from __future__ import annotations
@@ -132,14 +136,17 @@ class _FusedStack:
         if reason is not None:
             raise ValueError(f"the fused step cannot run this model: {reason}")
         ext = ext or load_extension()
-        cfg = model.config
+        cfg = model.rank_config  # this rank's heads and MLP width (the whole model's with one rank)
         with torch.no_grad():
             head = head | {"rotary.inv_freq": model.model.rotary.inv_freq.contiguous()}
             weights = [_layer_weights(layer, cache) for layer in layers]
-        self._impl = ext.FusedStack(
-            {name: getattr(cfg, name) for name in DIMS}, cfg.rms_norm_eps, head,
-            [layer.layer_type for layer in layers], weights, mtp,
-        )
+        dims = {name: getattr(cfg, name) for name in DIMS}
+        vocab_rows = head["embed_tokens.weight"].shape[0]
+        dims["vocab_size"] = vocab_rows  # under tensor parallelism the rank's rows of the padded vocabulary
+        self._impl = ext.FusedStack(dims, cfg.rms_norm_eps, head, [layer.layer_type for layer in layers], weights, mtp)
+        shard = model.shard
+        if shard.size > 1:  # the row-parallel sums and the vocab-parallel embedding meet in the rank's group
+            self._impl.set_all_reduce(shard.all_reduce, shard.rank * vocab_rows)
         self.gdn_layer_ids = [layer.layer_id for layer in layers if layer.layer_type == "linear_attention"]
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:

@@ -2,6 +2,7 @@
 // against deltaserve/ops and deltaserve/model (tests/test_kernels.py) and for measurements.
 #include <torch/extension.h>
 
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -145,6 +146,21 @@ at::Tensor attention_alone(const at::Tensor& q, const at::Tensor& k_cache, const
   return out.view({T, nh, hd});
 }
 
+// FusedStack::set_all_reduce with a Python callable (torch.distributed.all_reduce on the rank's group, in
+// place). forward() runs without the GIL: the hook takes it for the call; the callable is released under it.
+void set_all_reduce_hook(FusedStack& stack, pybind11::function hook, int64_t vocab_start) {
+  std::shared_ptr<pybind11::function> held(new pybind11::function(std::move(hook)), [](pybind11::function* f) {
+    pybind11::gil_scoped_acquire gil;
+    delete f;
+  });
+  stack.set_all_reduce(
+      [held](at::Tensor& partial) {
+        pybind11::gil_scoped_acquire gil;
+        (*held)(partial);
+      },
+      vocab_start);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -164,7 +180,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_greedy_screen", &FusedStack::set_greedy_screen)
       .def("set_profiling", &FusedStack::set_profiling)
       .def("profile", &FusedStack::profile)
-      .def("set_loop_kv_bytes", &FusedStack::set_loop_kv_bytes);
+      .def("set_loop_kv_bytes", &FusedStack::set_loop_kv_bytes)
+      .def("set_all_reduce", &set_all_reduce_hook, pybind11::arg("all_reduce"), pybind11::arg("vocab_start"));
   // The kernels one by one (tests/test_kernels.py tests each against its deltaserve/ops or deltaserve/model
   // reference). Inputs are checked here; the kernels themselves trust the stack's checks.
   m.def("linear_panels", &linear_panels_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),

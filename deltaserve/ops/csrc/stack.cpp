@@ -218,7 +218,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> FusedSt
   rope_tables(bt.positions, bt.T, inv_freq_.data_ptr<float>(), d_.rotary_dim / 2, cos, sin);
 
   std::vector<at::Tensor> spec_conv, spec_ssm;
-  at::Tensor x = embed_.index_select(0, input_ids);  // [T, hidden]
+  at::Tensor x = embed(input_ids);  // [T, hidden]
   if (fc_.defined()) {
     TORCH_CHECK(hidden_in.sizes() == x.sizes() && hidden_in.scalar_type() == at::kFloat,
                 "FusedStack: the MTP head needs the trunk hidden of every token, [T, hidden] float32");
@@ -243,6 +243,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> FusedSt
       mix = attention(l.a, h, bt, cos.data(), sin.data(), only);
     }
     if (only != nullptr) x = x.index_select(0, only->rows);
+    reduce(mix);
     x.add_(mix);
     at::Tensor gu = project(l.gate_up_w, rms_norm_rows(x, l.post_scale, d_.eps));  // [rows, 2I]
     const int64_t I = d_.intermediate, rows = x.size(0);
@@ -253,9 +254,34 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> FusedSt
 #pragma omp simd
       for (int64_t j = 0; j < I; ++j) ap[t * I + j] = silu(gp[t * 2 * I + j]) * gp[t * 2 * I + I + j];
     }
-    x.add_(project(l.down_w, act));
+    at::Tensor down = project(l.down_w, act);
+    reduce(down);
+    x.add_(down);
   }
   return {rms_norm_rows(x, final_scale_, d_.eps), spec_conv, spec_ssm};
+}
+
+void FusedStack::set_all_reduce(std::function<void(at::Tensor&)> all_reduce, int64_t vocab_start) {
+  TORCH_CHECK(vocab_start >= 0, "FusedStack: vocab_start must be >= 0");
+  all_reduce_ = std::move(all_reduce);
+  vocab_start_ = vocab_start;
+}
+
+at::Tensor FusedStack::embed(const at::Tensor& input_ids) const {
+  if (!all_reduce_) return embed_.index_select(0, input_ids);
+  // Vocab-parallel: this rank's rows, zeros for the ids another rank holds; the all-reduce adds the one
+  // rank's row each id has (x + 0 = x exactly), as VocabParallelEmbedding does.
+  const int64_t T = input_ids.size(0), H = d_.hidden, V = embed_.size(0);
+  at::Tensor x = at::zeros({T, H}, embed_.options());
+  const int64_t* ip = input_ids.data_ptr<int64_t>();
+  const float* ep = embed_.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t row = ip[t] - vocab_start_;
+    if (row >= 0 && row < V) std::memcpy(xp + t * H, ep + row * H, H * sizeof(float));
+  }
+  reduce(x);
+  return x;
 }
 
 at::Tensor FusedStack::logits(const at::Tensor& hidden) {

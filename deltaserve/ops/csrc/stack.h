@@ -9,6 +9,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -114,9 +115,20 @@ class FusedStack {
   void set_profiling(bool on) { profiling_ = on; }
   std::vector<double> profile();
 
+  // Tensor parallelism: all_reduce sums a tensor over the ranks in place. forward() calls it (outside any
+  // parallel loop) with the partial output of each row-parallel projection (o_proj, linear_attn.out_proj,
+  // mlp.down_proj) before adding it to the residual, and with the embedding rows: this rank's embedding holds
+  // vocabulary rows [vocab_start, vocab_start + vocab_size), and ids outside them give zero rows. Unset (one
+  // rank), nothing changes.
+  void set_all_reduce(std::function<void(at::Tensor&)> all_reduce, int64_t vocab_start);
+
  private:
   enum Part { kProjections, kRecurrence, kAttention, kForward, kParts };
   double* slot(Part part) { return profiling_ ? &spent_[part] : nullptr; }
+  void reduce(at::Tensor& partial) const {
+    if (all_reduce_) all_reduce_(partial);
+  }
+  at::Tensor embed(const at::Tensor& input_ids) const;
 
   void check_hidden(const at::Tensor& hidden) const;
   at::Tensor project(const Linear& l, const at::Tensor& x);
@@ -138,6 +150,8 @@ class FusedStack {
   at::Tensor pre_embed_scale_, pre_hidden_scale_;
   std::vector<Layer> layers_;
   std::vector<std::pair<std::string, at::Tensor>> held_;
+  std::function<void(at::Tensor&)> all_reduce_;  // tensor parallelism only (set_all_reduce)
+  int64_t vocab_start_ = 0;
 };
 
 }  // namespace deltaserve
