@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 
 from deltaserve.model.context import CacheTensors, ForwardContext
+from deltaserve.model.moe import SparseMoeBlock
 from deltaserve.ops.fused_ext import load_extension
 
 __all__ = ["FusedMTP", "FusedTrunk", "supported"]
@@ -58,6 +59,21 @@ def _add_projection(weights: dict[str, torch.Tensor], panels_name: str, parts: d
         weights[panels_name] = panels
 
 
+def _add_experts(weights: dict[str, torch.Tensor], name: str, experts: torch.Tensor) -> None:
+    """weights[name] = the model's 3-D expert tensor [E, N, K] itself (expert e's weight is its row block e),
+    and weights[name + ".panels"] = [E, ceil(N/64), K, 64], every expert's bf16 panels, when all its values
+    are bfloat16 numbers. One expert at a time: no fp32 temporary of all the experts."""
+    experts = experts.detach()
+    panels = []
+    for e in range(experts.shape[0]):
+        panels.append(_linear([experts[e]])[1])
+        if panels[-1].numel() == 0:
+            break
+    weights[name] = experts
+    if panels[-1].numel() > 0:
+        weights[name + ".panels"] = torch.stack(panels)
+
+
 def supported(model: torch.nn.Module, cache: CacheTensors) -> str | None:
     """None if the fused step can run this model and cache, else the reason it cannot."""
     if any(p.dtype != torch.float32 for p in model.model.parameters()):
@@ -73,6 +89,22 @@ def _one_plus(norm: torch.nn.Module) -> torch.Tensor:
     return (1.0 + norm.weight.detach().float()).contiguous()
 
 
+def _add_sparse_mlp(w: dict[str, torch.Tensor], mlp: SparseMoeBlock) -> None:
+    """A sparse-MoE MLP's tensors (deltaserve/ops/csrc/moe.h): the router, the shared expert's gate and up and
+    the shared expert's gate as one projection (they all read the layer's normed input), the shared expert's
+    down, and the experts' 3-D tensors with their panels per expert."""
+    shared = mlp.shared_expert
+    _add_projection(w, "mlp.router_shared.panels", {
+        "mlp.gate.weight": mlp.gate.weight, "mlp.shared_expert.gate_proj.weight": shared.gate_proj.weight,
+        "mlp.shared_expert.up_proj.weight": shared.up_proj.weight,
+        "mlp.shared_expert_gate.weight": mlp.shared_expert_gate.weight,
+    })
+    _add_projection(w, "mlp.shared_expert.down_proj.panels",
+                    {"mlp.shared_expert.down_proj.weight": shared.down_proj.weight})
+    _add_experts(w, "mlp.experts.gate_up_proj", mlp.experts.gate_up_proj)
+    _add_experts(w, "mlp.experts.down_proj", mlp.experts.down_proj)
+
+
 def _layer_weights(layer: torch.nn.Module, cache: CacheTensors) -> dict[str, torch.Tensor]:
     """One decoder layer's tensors by the names FusedStack's constructor reads (the modules' own names)."""
     mlp = layer.mlp
@@ -80,9 +112,12 @@ def _layer_weights(layer: torch.nn.Module, cache: CacheTensors) -> dict[str, tor
         "input_layernorm.scale": _one_plus(layer.input_layernorm),
         "post_attention_layernorm.scale": _one_plus(layer.post_attention_layernorm),
     }
-    _add_projection(w, "mlp.gate_up_proj.panels",
-                    {"mlp.gate_proj.weight": mlp.gate_proj.weight, "mlp.up_proj.weight": mlp.up_proj.weight})
-    _add_projection(w, "mlp.down_proj.panels", {"mlp.down_proj.weight": mlp.down_proj.weight})
+    if isinstance(mlp, SparseMoeBlock):
+        _add_sparse_mlp(w, mlp)
+    else:
+        _add_projection(w, "mlp.gate_up_proj.panels",
+                        {"mlp.gate_proj.weight": mlp.gate_proj.weight, "mlp.up_proj.weight": mlp.up_proj.weight})
+        _add_projection(w, "mlp.down_proj.panels", {"mlp.down_proj.weight": mlp.down_proj.weight})
     if layer.layer_type == "linear_attention":
         g = layer.linear_attn
         _add_projection(w, "linear_attn.in_proj.panels", {
@@ -115,6 +150,9 @@ DIMS = (  # the config's sizes that FusedStack reads, by their names
     "hidden_size", "intermediate_size", "vocab_size", "linear_num_key_heads", "linear_num_value_heads",
     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_attention_heads",
     "num_key_value_heads", "head_dim", "rotary_dim",
+    # sparse MoE (0 in a dense model; intermediate_size 0 in a model without dense MLPs)
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+    "norm_topk_prob",
 )
 
 
@@ -137,7 +175,7 @@ class _FusedStack:
             head = head | {"rotary.inv_freq": model.model.rotary.inv_freq.contiguous()}
             weights = [_layer_weights(layer, cache) for layer in layers]
         self._impl = ext.FusedStack(
-            {name: getattr(cfg, name) for name in DIMS}, cfg.rms_norm_eps, head,
+            {name: int(getattr(cfg, name)) for name in DIMS}, cfg.rms_norm_eps, head,
             [layer.layer_type for layer in layers], weights, mtp,
         )
         self.gdn_layer_ids = [layer.layer_id for layer in layers if layer.layer_type == "linear_attention"]
