@@ -392,8 +392,7 @@ def plan_memory(
         vision_params=by_name["vision tower"].total_params if "vision tower" in by_name else 0,
         model_name=model_name,
     )
-    fused = not cfg.is_moe  # the fused step has no MoE block: MoE models run the torch executor
-    if fused and tp == 1 and wdtype == "float32" and normalize_dtype(cfg.torch_dtype) == "bfloat16":
+    if tp == 1 and wdtype == "float32" and normalize_dtype(cfg.torch_dtype) == "bfloat16":
         plan.fused_copy_bytes = fused_copy_bytes(cfg, with_mtp)
     plan.total_bytes = plan.weight_bytes + plan.fused_copy_bytes + plan.cache_bytes
     return plan

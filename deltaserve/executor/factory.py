@@ -23,9 +23,6 @@ def make_executor(
     if enforce_eager:
         log.info("executor: torch (enforce_eager)")
         return TorchExecutor(model, cache)
-    if model.config.is_moe:
-        log.info("executor: torch, since the fused step has no MoE block yet")
-        return TorchExecutor(model, cache)
     reason = supported(model, cache)
     if reason is not None:
         log.info("executor: torch, since %s (the fused step is float32 only)", reason)
