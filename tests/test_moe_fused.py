@@ -18,8 +18,8 @@ from deltaserve.model.loader import load_model
 from deltaserve.model.moe import SparseMoeBlock
 from deltaserve.ops.fused_ext import load_extension
 from tests.checkpoints import MOE, RATIOS_27B, TINY, random_hf_moe_model, random_mtp_tensors
-from tests.test_fused_step import BLOCK, assert_caches_equal, context, junk_cache
-from tests.test_moe_model import CASES, save
+from tests.test_fused_step import BLOCK, assert_caches_equal, assert_mtp_passes_match, context, junk_cache
+from tests.test_moe_model import CASES, save, tied_router_models
 
 CASES_BF16 = {**CASES, "qwen3_5_moe-27b-ratios-bf16-values": ("qwen3_5_moe", RATIOS_27B, {}, "causal", True)}
 
@@ -89,19 +89,8 @@ def test_the_portable_build_runs_the_moe_block(case, tmp_path) -> None:
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
 def test_routing_ties_break_as_the_python_model(family, tmp_path) -> None:
-    """Layer 0's router is zero: all experts tie for every token and torch.topk's choice (not the lowest
-    ids) decides; the other routers repeat rows in pairs, so exact ties straddle the k-th place."""
-    hf = random_hf_moe_model(family, TINY, seed=7)
-    with torch.no_grad():
-        routers = [layer.mlp.gate.weight for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
-        routers[0].zero_()
-        for w in routers[1:]:
-            w[1::2] = w[0::2]
-    model = load_model(save(hf, tmp_path, "causal", fused=False), dtype="float32")
-    with torch.no_grad():
-        picked = model.model.layers[0].mlp.route(torch.randn(5, TINY["hidden_size"]))[0]
-    assert sorted(picked[0].tolist()) != list(range(MOE["num_experts_per_tok"]))  # ties are not lowest-first
-    assert_steps_match(model)
+    """A zero router (all experts tie) and routers of repeated rows (tests/test_moe_model.py)."""
+    assert_steps_match(tied_router_models(family, tmp_path)[1])
 
 
 def test_an_expert_no_token_picks_is_never_read(tmp_path) -> None:
@@ -145,19 +134,7 @@ def test_fused_mtp_of_a_moe_checkpoint_matches_the_python_head(family, layout, v
         mtp = {k: v.bfloat16().float() for k, v in mtp.items()}
     model = load_model(save(hf, tmp_path, layout, fused=False, mtp=mtp), dtype="float32", with_mtp=True)
     assert isinstance(model.mtp.layers[0].mlp, SparseMoeBlock)
-    ref_cache, fused_cache = (allocate_cache(model.config, num_blocks=64, block_size=BLOCK, num_slots=4,
-                                             with_mtp=True) for _ in range(2))
-    fused = FusedMTP(model, fused_cache)
-    g = torch.Generator().manual_seed(5)
-    H, V = model.config.hidden_size, model.config.vocab_size
-    for lens in ([(30, 0), (6, 0)], [(1, 30), (2, 6)], [(1, 31), (1, 8)]):
-        T = sum(q for q, _ in lens)
-        ids, hidden = torch.randint(0, V, (T,), generator=g), torch.randn(T, H, generator=g)
-        with torch.inference_mode():
-            expected = model.mtp_hidden(ids, hidden, context(ref_cache, lens))
-            got = fused(ids, hidden, context(fused_cache, lens))
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-        assert_caches_equal(ref_cache, fused_cache)
+    assert_mtp_passes_match(model)
 
 
 @pytest.mark.parametrize("family, fields", [("qwen3_5_moe", {}), ("qwen3_next", {"mlp_only_layers": [1]})])
