@@ -153,3 +153,28 @@ def test_planner_counts_the_experts_panels(family, fields, tmp_path) -> None:
     V, H = TINY["vocab_size"], TINY["hidden_size"]
     screen = -(-V // 64) * 64 * 2 * -(-H // 2) * 2  # the lm_head in pairs, bf16
     assert plan.fused_copy_bytes == sum(t.numel() * t.element_size() for t in panels) + screen
+
+
+def test_threads_split_the_experts_without_changing_the_sums(tmp_path) -> None:
+    """Experts wide enough that a decode step's experts go to separate threads (moe.cpp), and a prompt of more
+    than kExpertParallelRows rows whose experts split their panels instead: the same hidden states with 1 and
+    2 threads (each expert's rows by one thread, added in expert order; bf16 values, the panel kernel)."""
+    hf = random_hf_moe_model("qwen3_5_moe", dict(TINY, hidden_size=256), seed=4,
+                             moe_intermediate_size=1024)
+    bf16_values(hf)
+    model = load_model(save(hf, tmp_path, "causal", True), dtype="float32")
+    results = []
+    for threads in (1, 2):
+        cache = junk_cache(model, 2)
+        fused = FusedTrunk(model, cache)
+        ids = torch.arange(60) % model.config.vocab_size
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.inference_mode():
+                results.append([fused(ids[:40], context(cache, [(40, 0)])),
+                                fused(ids[:6], context(cache, [(1, 40)] + [(1, 0)] * 5))])
+        finally:
+            torch.set_num_threads(before)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

@@ -8,7 +8,6 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
-#include <functional>
 #include <utility>
 #include <vector>
 
@@ -38,9 +37,12 @@ std::vector<Linear> expert_linears(const at::Tensor& experts, const at::Tensor& 
 // fp32 over the router logits [T, E], torch.topk's choice and order, ties included).
 std::pair<at::Tensor, at::Tensor> moe_route(const MoeDims& d, const at::Tensor& logits);
 
-// The MLP's output [T, hidden] for normed input rows h [T, hidden]. `project(linear, x)` runs one projection
-// (the stack's, which times it).
-using Project = std::function<at::Tensor(const Linear&, const at::Tensor&)>;
-at::Tensor moe_mlp(const MoeDims& d, const MoeWeights& w, const at::Tensor& h, const Project& project);
+// Steps of at most this many rows run their experts on separate threads, larger ones split each expert's
+// projections over the threads (its panels; its tokens are many).
+constexpr int64_t kExpertParallelRows = 32;
+
+// The MLP's output [T, hidden] for normed input rows h [T, hidden]; adds the seconds its projections take to
+// *projections (when not null: the stack's profile).
+at::Tensor moe_mlp(const MoeDims& d, const MoeWeights& w, const at::Tensor& h, double* projections);
 
 }  // namespace deltaserve

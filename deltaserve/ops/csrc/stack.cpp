@@ -379,7 +379,7 @@ at::Tensor FusedStack::project(const Linear& l, const at::Tensor& x) {
 }
 
 at::Tensor FusedStack::sparse_mlp(const MoeWeights& w, const at::Tensor& h) {
-  return moe_mlp(d_.moe, w, h, [this](const Linear& l, const at::Tensor& x) { return project(l, x); });
+  return moe_mlp(d_.moe, w, h, slot(kProjections));
 }
 
 at::Tensor FusedStack::gdn(const GdnWeights& w, const at::Tensor& h, const Batch& bt, const at::Tensor& spec_conv,
