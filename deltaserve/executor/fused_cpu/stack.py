@@ -7,9 +7,11 @@ these head sizes).
 Used for fp32 weights and caches (make_executor checks supported()). The C++ stack takes each layer's tensors
 by name (_layer_weights) and checks their shapes; it reads the model's own weights where they are and
 rewrites none of them. Projections that read the same input (GDN q|k|v|z|b|a, attention q|k|v, MLP gate|up)
-run as one: their weights go across as the row blocks of one projection. Weights whose values are all
-bfloat16 numbers also get a bf16 copy in panels, one per such projection (half a weight's fp32 bytes, +50%
-weight memory), that every projection streams instead of the fp32 weight. On CPUs with AVX512-BF16 such an
+run as one: their weights go across as the row blocks of one projection (a sparse-MoE MLP's router, shared
+expert gate|up and shared_expert_gate too; its experts go across as the model's 3-D tensors, expert e's
+weight being row block e). Weights whose values are all bfloat16 numbers also get a bf16 copy in panels,
+one per such projection and per expert (half a weight's fp32 bytes, +50% weight memory), that every
+projection streams instead of the fp32 weight. On CPUs with AVX512-BF16 such an
 lm_head keeps one more bf16 copy, in pairs along K, for greedy_tokens' screen.
 """
 
