@@ -178,3 +178,12 @@ def test_threads_split_the_experts_without_changing_the_sums(tmp_path) -> None:
             torch.set_num_threads(before)
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def test_expert_tensors_of_the_wrong_shape_are_named(tmp_path) -> None:
+    hf = random_hf_moe_model("qwen3_5_moe", TINY, seed=2)
+    model = load_model(save(hf, tmp_path, "causal", True), dtype="float32")
+    model.config.moe_intermediate_size += 1  # what the C++ stack expects no longer matches the experts
+    E, H, I = MOE["num_experts"], TINY["hidden_size"], MOE["moe_intermediate_size"]
+    with pytest.raises(RuntimeError, match=rf"layer 0 mlp.experts.gate_up_proj: expected \[{E}, {2 * I + 2}, {H}\]"):
+        FusedTrunk(model, junk_cache(model, 0))
