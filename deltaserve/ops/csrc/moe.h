@@ -29,8 +29,8 @@ struct MoeWeights {
   std::vector<Linear> down;       // per expert [hidden, inter]: row block e of experts.down_proj
 };
 
-// The experts' projections of expert e from its row block of the model's 3-D tensor [E, N, K] and, when
-// defined, its slice of the panels [E, ceil(N/64), K, 64].
+// One projection per expert e: row block e of the model's 3-D tensor [E, N, K] and, when panels are
+// defined, their block e of [E, ceil(N/64), K, 64].
 std::vector<Linear> expert_linears(const at::Tensor& experts, const at::Tensor& panels);
 
 // The routing of x's rows: expert ids and weights [T, k] as moe.py's SparseMoeBlock.route (softmax in
