@@ -207,6 +207,11 @@ def test_fused_mtp_matches_the_python_head(tmp_path, ext, bf16_values: bool) -> 
                 p.copy_(p.bfloat16().float())
         mtp = {k: v.bfloat16().float() for k, v in mtp.items()}
     model = load_model(save_official_layout(hf, tmp_path, mtp), dtype="float32", with_mtp=True)
+    assert_mtp_passes_match(model, ext)
+
+
+def assert_mtp_passes_match(model, ext=None) -> None:
+    """The fused MTP head against the model's mtp_hidden over the draft passes SpecDecoder.propose runs."""
     ref_cache = allocate_cache(model.config, num_blocks=64, block_size=BLOCK, num_slots=4, with_mtp=True)
     fused_cache = allocate_cache(model.config, num_blocks=64, block_size=BLOCK, num_slots=4, with_mtp=True)
     fused = FusedMTP(model, fused_cache, ext)

@@ -224,3 +224,39 @@ def test_paged_attention_matches_the_ops_reference(ext, nh: int, nkv: int, hd: i
         else:
             expected = prefill_attention(q[s:e], k_cache, v_cache, tables[b], L, scale)
         torch.testing.assert_close(got[s:e], expected, **TOL)
+
+
+# ---- sparse MoE ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("values", ["fp32", "bf16-values", "zero-router"])
+@pytest.mark.parametrize("family, fields", [("qwen3_5_moe", {}), ("qwen3_next", {"norm_topk_prob": False})])
+def test_moe_mlp_matches_the_python_block(ext, family: str, fields: dict, values: str, rows: int) -> None:
+    """The MoE MLP alone against deltaserve/model/moe.py's SparseMoeBlock: MKL or per-expert panel projections,
+    renormalised or not, and a zero router (every expert ties: torch.topk's choice, not the lowest ids)."""
+    from deltaserve.config import ModelConfig
+    from deltaserve.executor.fused_cpu.stack import _add_sparse_mlp
+    from deltaserve.model.moe import SparseMoeBlock
+    from tests.checkpoints import TINY, hf_moe_config
+
+    cfg = ModelConfig.from_dict({**hf_moe_config(family, TINY, **fields).to_dict(), "architectures": None})
+    torch.manual_seed(rows)
+    block = SparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+            if values == "bf16-values":
+                p.copy_(p.bfloat16().float())
+        if values == "zero-router":
+            block.gate.weight.zero_()
+    w: dict[str, torch.Tensor] = {}
+    _add_sparse_mlp(w, block)
+    panels = [w[name] for name in ("mlp.router_shared.panels", "mlp.shared_expert.down_proj.panels",
+                                   "mlp.experts.gate_up_proj.panels", "mlp.experts.down_proj.panels") if name in w]
+    assert len(panels) == (4 if values == "bf16-values" else 0)
+    x = torch.randn(rows, cfg.hidden_size)
+    got = ext.moe_mlp(x, [w["mlp.gate.weight"], w["mlp.shared_expert.gate_proj.weight"],
+                          w["mlp.shared_expert.up_proj.weight"], w["mlp.shared_expert_gate.weight"]],
+                      w["mlp.shared_expert.down_proj.weight"], w["mlp.experts.gate_up_proj"],
+                      w["mlp.experts.down_proj"], panels, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    with torch.no_grad():
+        torch.testing.assert_close(got, block(x), atol=1e-5, rtol=1e-5)

@@ -1,7 +1,7 @@
-"""Sparse-MoE checkpoints through the engine: the default engine picks the torch executor (the fused step
-has no MoE block) and matches transformers' greedy generate, as does enforce_eager; batching with chunked
-prefill, and preemption, give each request its tokens alone; MTP speculation on the MoE MTP head gives
-plain greedy's tokens."""
+"""Sparse-MoE checkpoints through the engine: the default engine runs the fused C++ step (its MoE block) and
+matches transformers' greedy generate, as does enforce_eager (the torch executor); batching with chunked
+prefill, and preemption, give each request its tokens alone; MTP speculation on the MoE MTP head, drafted
+by the fused MTP head, gives plain greedy's tokens."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
+from deltaserve.executor.fused_cpu.stack import FusedMTP
 from tests.checkpoints import (
     MOE,
     RATIOS_27B,
@@ -65,7 +66,7 @@ def _tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_default_and_eager_engines_run_torch_and_match_transformers(checkpoint) -> None:
+def test_default_fused_and_eager_torch_engines_match_transformers(checkpoint) -> None:
     hf, path = checkpoint
     prompts = _prompts(6)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -77,7 +78,7 @@ def test_default_and_eager_engines_run_torch_and_match_transformers(checkpoint) 
         want.append(out[0, len(p):].tolist())
     for eager in (False, True):
         llm = LLM(model=str(path), enforce_eager=eager, max_model_len=256)
-        assert llm.engine.executor.name == "torch"
+        assert llm.engine.executor.name == ("torch" if eager else "fused-cpu")
         got = _tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
         assert got == want, f"enforce_eager={eager}"
 
@@ -107,7 +108,8 @@ def test_mtp_speculation_on_the_moe_head_is_plain_greedy(checkpoint) -> None:
     plain = LLM(model=str(path), max_model_len=128, max_num_batched_tokens=32)
     spec = LLM(model=str(path), max_model_len=128, max_num_batched_tokens=32,
                speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    assert spec.engine.executor.name == "torch"
+    assert spec.engine.executor.name == "fused-cpu"
+    assert isinstance(spec.engine.executor._mtp, FusedMTP)  # the sparse MTP layer drafts in C++ too
     assert _tokens(spec.generate(prompts, params, use_tqdm=False)) == _tokens(
         plain.generate(prompts, params, use_tqdm=False))
     stats = spec.engine.stats().spec

@@ -109,23 +109,27 @@ def test_greedy_continuation_equals_transformers_generate(pair):
     assert greedy(ours, prompt, 32) == hf_greedy(hf, prompt, 32)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
-def test_routing_ties_break_as_transformers(family, tmp_path):
-    """Layer 0's router is zero: all experts tie for every token, so which k win is torch.topk's choice
-    (not the lowest ids). The other layers' routers repeat rows in pairs: exact ties between two experts
-    decide membership whenever the pair straddles the k-th place."""
+def tied_router_models(family: str, tmp_path):
+    """transformers' model and ours, whose layer 0 router is zero: all experts tie for every token, so which
+    k win is torch.topk's choice (not the lowest ids; checked). The other layers' routers repeat rows in
+    pairs: exact ties between two experts decide membership whenever the pair straddles the k-th place."""
     hf = random_hf_moe_model(family, TINY, seed=7)
     with torch.no_grad():
         routers = [layer.mlp.gate.weight for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
         routers[0].zero_()
         for w in routers[1:]:
             w[1::2] = w[0::2]
-    path = save(hf, tmp_path, "causal", fused=False)
-    ours = load_model(path, dtype="float32")
-    ids = _ids(30, 3, TINY["vocab_size"])
+    ours = load_model(save(hf, tmp_path, "causal", fused=False), dtype="float32")
     with torch.no_grad():
         picked = ours.model.layers[0].mlp.route(torch.randn(5, TINY["hidden_size"]))[0]
     assert sorted(picked[0].tolist()) != list(range(MOE["num_experts_per_tok"]))  # ties are not lowest-first
+    return hf, ours
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_routing_ties_break_as_transformers(family, tmp_path):
+    hf, ours = tied_router_models(family, tmp_path)
+    ids = _ids(30, 3, TINY["vocab_size"])
     assert_prompt_matches(hf, ours, ids)
     ref = hf_logits(hf, ids)
     assert (run_chunks(ours, new_cache(ours), PagedSequence(0, 0), ids, [11, 19]) - ref).abs().max() < TOL

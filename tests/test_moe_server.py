@@ -1,5 +1,5 @@
 """A sparse-MoE checkpoint served by the real `deltaserve serve`, called with the real openai client: the
-server runs it on the torch executor and answers what the offline engine generates."""
+server runs it on the fused C++ step and answers what the offline engine generates."""
 
 from __future__ import annotations
 
@@ -37,4 +37,4 @@ def test_served_moe_completion_equals_the_offline_engine(served: tuple[Path, Ser
         PROMPT, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0].outputs[0]
     assert got.choices[0].text == streamed == want.text
     assert got.usage.completion_tokens == len(want.token_ids)
-    assert "executor: torch, since the fused step has no MoE block yet" in server.log_path.read_text()
+    assert "executor: fused-cpu" in server.log_path.read_text()

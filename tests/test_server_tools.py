@@ -383,3 +383,10 @@ def test_responses_json_schema_text_format(client: openai.OpenAI) -> None:
     )
     assert r.status == "completed"
     jsonschema.validate(json.loads(r.output_text), PERSON)
+
+
+def test_responses_with_no_input_is_400(client: openai.OpenAI) -> None:
+    """Found by schemathesis: an empty input list became a chat request without messages, a 500."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input=[], max_output_tokens=4)
+    assert e.value.body["param"] == "input" and "at least 1 item" in e.value.body["message"]

@@ -26,9 +26,6 @@ def make_executor(
     if enforce_eager:
         log.info("executor%s: torch (enforce_eager)", rank)
         return TorchExecutor(model, cache)
-    if model.config.is_moe:
-        log.info("executor%s: torch, since the fused step has no MoE block yet", rank)
-        return TorchExecutor(model, cache)
     reason = supported(model, cache)
     if reason is not None:
         log.info("executor%s: torch, since %s (the fused step is float32 only)", rank, reason)

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from deltaserve.engine.async_engine import AsyncEngine, RequestStream
 from deltaserve.engine.detokenizer import stop_holdback
@@ -199,12 +199,19 @@ def prepare_response(engine: AsyncEngine, body: ResponsesRequest, tool_config: T
         kwargs.setdefault("enable_thinking", False)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     sampling = {k: extra[k] for k in ("seed", "top_k", "min_p", "repetition_penalty", "stop") if k in extra}
-    chat = ChatCompletionRequest(
-        model=body.model, messages=system + messages, max_tokens=body.max_output_tokens,
-        temperature=body.temperature, top_p=body.top_p, tools=_chat_tools(body.tools),
-        tool_choice=_chat_tool_choice(body.tool_choice), parallel_tool_calls=body.parallel_tool_calls,
-        response_format=_response_format(body.text), chat_template_kwargs=kwargs or None, **sampling,
-    )
+    try:
+        chat = ChatCompletionRequest(
+            model=body.model, messages=system + messages, max_tokens=body.max_output_tokens,
+            temperature=body.temperature, top_p=body.top_p, tools=_chat_tools(body.tools),
+            tool_choice=_chat_tool_choice(body.tool_choice), parallel_tool_calls=body.parallel_tool_calls,
+            response_format=_response_format(body.text), chat_template_kwargs=kwargs or None, **sampling,
+        )
+    except ValidationError as e:  # the request's own fields, as the chat request they become (a client's mistake)
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        name = "input" if where.startswith("messages") else where.split(".")[0]
+        raise APIError(400, f"{name}: {first['msg']} (as {where} of the chat request it becomes)",
+                       param=name) from None
     prep = prepare_chat(engine, chat, tool_config)
     return PreparedResponse(f"resp_{uuid.uuid4().hex}", body, prep, messages)
 

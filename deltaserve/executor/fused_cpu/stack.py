@@ -7,9 +7,11 @@ these head sizes).
 Used for fp32 weights and caches (make_executor checks supported()). The C++ stack takes each layer's tensors
 by name (_layer_weights) and checks their shapes; it reads the model's own weights where they are and
 rewrites none of them. Projections that read the same input (GDN q|k|v|z|b|a, attention q|k|v, MLP gate|up)
-run as one: their weights go across as the row blocks of one projection. Weights whose values are all
-bfloat16 numbers also get a bf16 copy in panels, one per such projection (half a weight's fp32 bytes, +50%
-weight memory), that every projection streams instead of the fp32 weight. On CPUs with AVX512-BF16 such an
+run as one: their weights go across as the row blocks of one projection (a sparse-MoE MLP's router, shared
+expert gate|up and shared_expert_gate too; its experts go across as the model's 3-D tensors, expert e's
+weight being row block e). Weights whose values are all bfloat16 numbers also get a bf16 copy in panels,
+one per such projection and per expert (half a weight's fp32 bytes, +50% weight memory), that every
+projection streams instead of the fp32 weight. On CPUs with AVX512-BF16 such an
 lm_head keeps one more bf16 copy, in pairs along K, for greedy_tokens' screen.
 
 Under tensor parallelism a rank's stack is built from its shard: the rank's dims (rank_config; its rows of
@@ -24,6 +26,7 @@ from types import ModuleType
 import torch
 
 from deltaserve.model.context import CacheTensors, ForwardContext
+from deltaserve.model.moe import SparseMoeBlock
 from deltaserve.ops.fused_ext import load_extension
 
 __all__ = ["FusedMTP", "FusedTrunk", "supported"]
@@ -62,6 +65,21 @@ def _add_projection(weights: dict[str, torch.Tensor], panels_name: str, parts: d
         weights[panels_name] = panels
 
 
+def _add_experts(weights: dict[str, torch.Tensor], name: str, experts: torch.Tensor) -> None:
+    """weights[name] = the model's 3-D expert tensor [E, N, K] itself (expert e's weight is its row block e),
+    and weights[name + ".panels"] = [E, ceil(N/64), K, 64], every expert's bf16 panels, when all its values
+    are bfloat16 numbers. One expert at a time: no fp32 temporary of all the experts."""
+    experts = experts.detach()
+    panels = []
+    for e in range(experts.shape[0]):
+        panels.append(_linear([experts[e]])[1])
+        if panels[-1].numel() == 0:
+            break
+    weights[name] = experts
+    if panels[-1].numel() > 0:
+        weights[name + ".panels"] = torch.stack(panels)
+
+
 def supported(model: torch.nn.Module, cache: CacheTensors) -> str | None:
     """None if the fused step can run this model and cache, else the reason it cannot."""
     if any(p.dtype != torch.float32 for p in model.model.parameters()):
@@ -77,6 +95,22 @@ def _one_plus(norm: torch.nn.Module) -> torch.Tensor:
     return (1.0 + norm.weight.detach().float()).contiguous()
 
 
+def _add_sparse_mlp(w: dict[str, torch.Tensor], mlp: SparseMoeBlock) -> None:
+    """A sparse-MoE MLP's tensors (deltaserve/ops/csrc/moe.h): the router, the shared expert's gate and up and
+    the shared expert's gate as one projection (they all read the layer's normed input), the shared expert's
+    down, and the experts' 3-D tensors with their panels per expert."""
+    shared = mlp.shared_expert
+    _add_projection(w, "mlp.router_shared.panels", {
+        "mlp.gate.weight": mlp.gate.weight, "mlp.shared_expert.gate_proj.weight": shared.gate_proj.weight,
+        "mlp.shared_expert.up_proj.weight": shared.up_proj.weight,
+        "mlp.shared_expert_gate.weight": mlp.shared_expert_gate.weight,
+    })
+    _add_projection(w, "mlp.shared_expert.down_proj.panels",
+                    {"mlp.shared_expert.down_proj.weight": shared.down_proj.weight})
+    _add_experts(w, "mlp.experts.gate_up_proj", mlp.experts.gate_up_proj)
+    _add_experts(w, "mlp.experts.down_proj", mlp.experts.down_proj)
+
+
 def _layer_weights(layer: torch.nn.Module, cache: CacheTensors) -> dict[str, torch.Tensor]:
     """One decoder layer's tensors by the names FusedStack's constructor reads (the modules' own names)."""
     mlp = layer.mlp
@@ -84,9 +118,12 @@ def _layer_weights(layer: torch.nn.Module, cache: CacheTensors) -> dict[str, tor
         "input_layernorm.scale": _one_plus(layer.input_layernorm),
         "post_attention_layernorm.scale": _one_plus(layer.post_attention_layernorm),
     }
-    _add_projection(w, "mlp.gate_up_proj.panels",
-                    {"mlp.gate_proj.weight": mlp.gate_proj.weight, "mlp.up_proj.weight": mlp.up_proj.weight})
-    _add_projection(w, "mlp.down_proj.panels", {"mlp.down_proj.weight": mlp.down_proj.weight})
+    if isinstance(mlp, SparseMoeBlock):
+        _add_sparse_mlp(w, mlp)
+    else:
+        _add_projection(w, "mlp.gate_up_proj.panels",
+                        {"mlp.gate_proj.weight": mlp.gate_proj.weight, "mlp.up_proj.weight": mlp.up_proj.weight})
+        _add_projection(w, "mlp.down_proj.panels", {"mlp.down_proj.weight": mlp.down_proj.weight})
     if layer.layer_type == "linear_attention":
         g = layer.linear_attn
         _add_projection(w, "linear_attn.in_proj.panels", {
@@ -119,6 +156,9 @@ DIMS = (  # the config's sizes that FusedStack reads, by their names
     "hidden_size", "intermediate_size", "vocab_size", "linear_num_key_heads", "linear_num_value_heads",
     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_attention_heads",
     "num_key_value_heads", "head_dim", "rotary_dim",
+    # sparse MoE (0 in a dense model; intermediate_size 0 in a model without dense MLPs)
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+    "norm_topk_prob",
 )
 
 
@@ -140,7 +180,7 @@ class _FusedStack:
         with torch.no_grad():
             head = head | {"rotary.inv_freq": model.model.rotary.inv_freq.contiguous()}
             weights = [_layer_weights(layer, cache) for layer in layers]
-        dims = {name: getattr(cfg, name) for name in DIMS}
+        dims = {name: int(getattr(cfg, name)) for name in DIMS}
         vocab_rows = head["embed_tokens.weight"].shape[0]
         dims["vocab_size"] = vocab_rows  # under tensor parallelism the rank's rows of the padded vocabulary
         self._impl = ext.FusedStack(dims, cfg.rms_norm_eps, head, [layer.layer_type for layer in layers], weights, mtp)

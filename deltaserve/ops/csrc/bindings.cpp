@@ -11,6 +11,7 @@
 #include "batch.h"
 #include "gdn.h"
 #include "linear.h"
+#include "moe.h"
 #include "norms.h"
 #include "stack.h"
 
@@ -161,6 +162,38 @@ void set_all_reduce_hook(FusedStack& stack, pybind11::function hook, int64_t voc
       vocab_start);
 }
 
+// The sparse-MoE MLP of normed rows h [T, H]: router_shared = [router, shared gate_proj, shared up_proj,
+// shared_expert_gate] weights; the experts' 3-D gate_up [E, 2I, H] and down [E, H, I]; panels (all or none):
+// [router_shared, shared_down, gate_up, down] as stack.py makes them.
+at::Tensor moe_alone(const at::Tensor& h, const std::vector<at::Tensor>& router_shared, const at::Tensor& shared_down,
+                     const at::Tensor& gate_up, const at::Tensor& down, const std::vector<at::Tensor>& panels,
+                     int64_t top_k, bool norm_topk) {
+  check_float(h, "h", 2);
+  check_float(gate_up, "gate_up", 3);
+  check_float(down, "down", 3);
+  TORCH_CHECK(router_shared.size() == 4, "router_shared: router, shared gate_proj, up_proj, shared_expert_gate");
+  const int64_t H = h.size(1), E = gate_up.size(0), I = gate_up.size(1) / 2, Is = router_shared[1].size(0);
+  TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == H && down.sizes() == at::IntArrayRef({E, H, I}),
+              "gate_up [E, 2I, H] and down [E, H, I] for h [T, H]");
+  TORCH_CHECK(router_shared[0].size(0) == E && router_shared[2].size(0) == Is && router_shared[3].size(0) == 1 &&
+                  shared_down.dim() == 2 && shared_down.size(0) == H && shared_down.size(1) == Is,
+              "router [E, H], shared gate_proj and up_proj [Is, H], shared_expert_gate [1, H], shared down [H, Is]");
+  for (const at::Tensor& t : router_shared) {
+    check_float(t, "router_shared", 2);
+    TORCH_CHECK(t.size(1) == H, "router_shared: [N_i, H]");
+  }
+  TORCH_CHECK(top_k > 0 && top_k <= E, "top_k: 1 .. E");
+  TORCH_CHECK(panels.empty() || panels.size() == 4, "panels: none, or one per projection");
+  for (const at::Tensor& t : panels) TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous(), "panels: bf16");
+  auto panel = [&](size_t i) { return panels.empty() ? at::Tensor() : panels[i]; };
+  MoeWeights w;
+  w.router_shared = make_linear(router_shared, panel(0));
+  w.shared_down = make_linear({shared_down}, panel(1));
+  w.gate_up = expert_linears(gate_up, panel(2));
+  w.down = expert_linears(down, panel(3));
+  return moe_mlp(MoeDims{E, top_k, I, Is, norm_topk}, w, h, nullptr);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -193,6 +226,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary_alone, "x [T, heads, head_dim] with rotate-half RoPE on its first 2 len(inv_freq) dims");
   m.def("gdn_recurrence", &gdn_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Gated DeltaNet's conv, recurrence and gated norm on in_proj outputs: (core, verify conv, verify ssm)");
+  m.def("moe_mlp", &moe_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "the sparse-MoE MLP [T, H] of normed rows h: routed experts plus the gated shared expert (moe.h)");
   m.def("paged_attention", &attention_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "out [T, nh, hd]: each query token's attention over its sequence's cached positions 0 .. positions[t]");
 }

@@ -3,6 +3,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "norms.h"
@@ -64,6 +65,8 @@ class NamedTensors {
     return make_linear(std::move(weights), panels);
   }
 
+  bool has(const std::string& name) const { return tensors_.count(name) != 0; }
+
   void finish() const {
     for (const auto& [name, t] : tensors_) TORCH_CHECK(false, "FusedStack: ", where_, "unexpected tensor ", name);
   }
@@ -75,17 +78,17 @@ class NamedTensors {
 };
 
 Dims dims_by_name(std::map<std::string, int64_t> dims, double eps) {
-  auto take = [&](const std::string& name) {
+  auto take = [&](const std::string& name, bool zero_ok = false) {
     auto it = dims.find(name);
     TORCH_CHECK(it != dims.end(), "FusedStack: missing dim ", name);
     const int64_t v = it->second;
     dims.erase(it);
-    TORCH_CHECK(v > 0, "FusedStack: dim ", name, " = ", v, " must be positive");
+    TORCH_CHECK(v > 0 || (zero_ok && v == 0), "FusedStack: dim ", name, " = ", v, " must be positive");
     return v;
   };
   Dims d{};
   d.hidden = take("hidden_size");
-  d.intermediate = take("intermediate_size");
+  d.intermediate = take("intermediate_size", true);  // 0: no dense MLP
   d.vocab = take("vocab_size");
   d.hk = take("linear_num_key_heads");
   d.hv = take("linear_num_value_heads");
@@ -96,6 +99,11 @@ Dims dims_by_name(std::map<std::string, int64_t> dims, double eps) {
   d.nkv = take("num_key_value_heads");
   d.hd = take("head_dim");
   d.rotary_dim = take("rotary_dim");
+  d.moe.experts = take("num_experts", true);
+  d.moe.top_k = take("num_experts_per_tok", true);
+  d.moe.inter = take("moe_intermediate_size", true);
+  d.moe.shared_inter = take("shared_expert_intermediate_size", true);
+  d.moe.norm_topk = take("norm_topk_prob", true) != 0;
   d.conv_dim = 2 * d.hk * d.dk + d.hv * d.dv;
   d.eps = static_cast<float>(eps);
   for (const auto& [name, v] : dims) TORCH_CHECK(false, "FusedStack: unexpected dim ", name);
@@ -104,6 +112,33 @@ Dims dims_by_name(std::map<std::string, int64_t> dims, double eps) {
   TORCH_CHECK(d.rotary_dim % 2 == 0 && d.rotary_dim <= d.hd, "FusedStack: rotary_dim must be even and <= head_dim");
   TORCH_CHECK(d.kernel >= 2, "FusedStack: linear_conv_kernel_dim must be at least 2");
   return d;
+}
+
+// A sparse-MoE MLP's tensors (stack.py, _add_sparse_mlp): the router and shared expert, and the experts' 3-D
+// tensors with their panels per expert.
+MoeWeights take_moe(NamedTensors& w, const Dims& d) {
+  const MoeDims& m = d.moe;
+  TORCH_CHECK(m.experts > 0 && m.top_k > 0 && m.top_k <= m.experts && m.inter > 0 && m.shared_inter > 0,
+              "FusedStack: a sparse MLP needs num_experts, num_experts_per_tok <= num_experts, "
+              "moe_intermediate_size and shared_expert_intermediate_size");
+  const int64_t H = d.hidden, E = m.experts, I = m.inter, Is = m.shared_inter;
+  MoeWeights out;
+  out.router_shared = w.projection({{"mlp.gate.weight", E},
+                                    {"mlp.shared_expert.gate_proj.weight", Is},
+                                    {"mlp.shared_expert.up_proj.weight", Is},
+                                    {"mlp.shared_expert_gate.weight", 1}},
+                                   H, "mlp.router_shared.panels");
+  out.shared_down = w.projection({{"mlp.shared_expert.down_proj.weight", H}}, Is, "mlp.shared_expert.down_proj.panels");
+  for (auto [name, N, K] : {std::tuple{std::string("mlp.experts.gate_up_proj"), 2 * I, H},
+                            std::tuple{std::string("mlp.experts.down_proj"), H, I}}) {
+    const at::Tensor experts = w.take(name, {E, N, K});
+    const std::string panels_name = name + ".panels";
+    const at::Tensor panels =
+        w.has(panels_name) ? w.take(panels_name, {E, (N + kPanel - 1) / kPanel, K, kPanel}, at::kBFloat16)
+                           : at::Tensor();
+    (N == H ? out.down : out.gate_up) = expert_linears(experts, panels);
+  }
+  return out;
 }
 
 }  // namespace
@@ -146,8 +181,15 @@ FusedStack::FusedStack(std::map<std::string, int64_t> dims, double eps, std::map
     l.gdn = layer_types[i] == "linear_attention";
     l.in_scale = w.take("input_layernorm.scale", {H});
     l.post_scale = w.take("post_attention_layernorm.scale", {H});
-    l.gate_up_w = w.projection({{"mlp.gate_proj.weight", I}, {"mlp.up_proj.weight", I}}, H, "mlp.gate_up_proj.panels");
-    l.down_w = w.projection({{"mlp.down_proj.weight", H}}, I, "mlp.down_proj.panels");
+    l.sparse = w.has("mlp.gate.weight");
+    if (l.sparse) {
+      l.moe = take_moe(w, d_);
+    } else {
+      TORCH_CHECK(I > 0, "FusedStack: layer ", i, " has a dense MLP but intermediate_size is 0");
+      l.gate_up_w =
+          w.projection({{"mlp.gate_proj.weight", I}, {"mlp.up_proj.weight", I}}, H, "mlp.gate_up_proj.panels");
+      l.down_w = w.projection({{"mlp.down_proj.weight", H}}, I, "mlp.down_proj.panels");
+    }
     if (l.gdn) {
       l.g.in_w = w.projection({{"linear_attn.in_proj_qkv.weight", d_.conv_dim},
                                {"linear_attn.in_proj_z.weight", value_dim},
@@ -245,6 +287,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> FusedSt
     if (only != nullptr) x = x.index_select(0, only->rows);
     reduce(mix);
     x.add_(mix);
+    if (l.sparse) {
+      x.add_(sparse_mlp(l.moe, rms_norm_rows(x, l.post_scale, d_.eps)));
+      continue;
+    }
     at::Tensor gu = project(l.gate_up_w, rms_norm_rows(x, l.post_scale, d_.eps));  // [rows, 2I]
     const int64_t I = d_.intermediate, rows = x.size(0);
     at::Tensor act = at::empty({rows, I}, x.options());
@@ -356,6 +402,10 @@ void FusedStack::check_hidden(const at::Tensor& hidden) const {
 at::Tensor FusedStack::project(const Linear& l, const at::Tensor& x) {
   Timed timed(slot(kProjections));
   return apply(l, x);
+}
+
+at::Tensor FusedStack::sparse_mlp(const MoeWeights& w, const at::Tensor& h) {
+  return moe_mlp(d_.moe, w, h, slot(kProjections));
 }
 
 at::Tensor FusedStack::gdn(const GdnWeights& w, const at::Tensor& h, const Batch& bt, const at::Tensor& spec_conv,

@@ -22,6 +22,7 @@
 #include "gdn.h"
 #include "greedy_screen.h"
 #include "linear.h"
+#include "moe.h"
 
 namespace deltaserve {
 
@@ -30,6 +31,7 @@ struct Dims {
   int64_t hidden, intermediate, vocab;
   int64_t hk, hv, dk, dv, conv_dim, kernel;  // Gated DeltaNet
   int64_t nh, nkv, hd, rotary_dim;           // attention
+  MoeDims moe;                               // sparse MLPs (0 experts in a dense model)
   float eps;
 
   GdnDims gdn() const { return {hk, hv, dk, dv, conv_dim, kernel, eps}; }
@@ -56,6 +58,8 @@ struct Layer {
   at::Tensor in_scale, post_scale;  // [hidden] = 1 + weight of the two RMSNorms
   Linear gate_up_w;                 // [2*intermediate, hidden]: rows of gate_proj | up_proj
   Linear down_w;                    // [hidden, intermediate]
+  bool sparse = false;              // a sparse-MoE MLP (moe) instead of gate_up_w and down_w
+  MoeWeights moe;
   GdnWeights g;
   AttnWeights a;
 };
@@ -132,6 +136,7 @@ class FusedStack {
 
   void check_hidden(const at::Tensor& hidden) const;
   at::Tensor project(const Linear& l, const at::Tensor& x);
+  at::Tensor sparse_mlp(const MoeWeights& w, const at::Tensor& h);
   at::Tensor gdn(const GdnWeights& w, const at::Tensor& h, const Batch& bt, const at::Tensor& spec_conv,
                  const at::Tensor& spec_ssm, const OutputRows* only);
   at::Tensor attention(const AttnWeights& w, const at::Tensor& h, const Batch& bt, const float* cos,
