@@ -29,8 +29,9 @@ ERROR_SCHEMA: dict[str, Any] = {
 }
 _OPEN_WITH_KEY = ("/health",)
 # Statuses beyond 200 / 400 / 401 that a route can answer, and why.
-_MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models/{model_id}", "/tokenize", "/detokenize")
-_GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+_MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models/{model_id}", "/tokenize",
+                 "/detokenize")
+_GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 _LOOKUP_ROUTES = ("/inspect/api/gdn_state", "/inspect/api/attention")
 _STREAMING_ROUTES = _GENERATION_ROUTES  # "stream": true answers with server-sent events
 
