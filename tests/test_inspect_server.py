@@ -69,12 +69,14 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     log.close()
 
 
-def _send_batch(base: str, n: int, max_tokens: int) -> list[int]:
+def _send_batch(base: str, n: int, max_tokens: int, first_max_tokens: int | None = None) -> list[int]:
+    """n completions at once; the first may run longer (first_max_tokens)."""
     codes: list[int] = []
 
     def one(i: int) -> None:
+        tokens = first_max_tokens if i == 0 and first_max_tokens else max_tokens
         r = httpx.post(f"{base}/v1/completions", timeout=60, json={
-            "prompt": f"请求 {i}: " + "猫坐在垫上。" * (2 + i), "max_tokens": max_tokens,
+            "prompt": f"请求 {i}: " + "猫坐在垫上。" * (2 + i), "max_tokens": tokens,
             "temperature": 0, "ignore_eos": True,
         })
         codes.append(r.status_code)
@@ -115,7 +117,9 @@ def test_live_view_streams_real_engine_steps(server: str) -> None:
         time.sleep(0.05)
     assert status, "no status event from /inspect/api/live"
     assert status[0]["budget"] == 48 and status[0]["spec"] == {"enabled": False}
-    codes = _send_batch(server, 6, max_tokens=12)
+    # One request runs on after the others, so that the newest event of some batch (the one that carries
+    # the block maps) comes while it still holds blocks, however fast this machine steps.
+    codes = _send_batch(server, 6, max_tokens=12, first_max_tokens=200)
     assert codes == [200] * 6, codes
     time.sleep(0.5)  # the last batch of events is sent within ~0.1 s
     done.set()
