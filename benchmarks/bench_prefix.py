@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from report import machine, write_section  # noqa: E402
 
 from deltaserve import LLM, SamplingParams  # noqa: E402
-from deltaserve.engine.planner import format_bytes  # noqa: E402
+from deltaserve.cli_plan import format_bytes  # noqa: E402
 
 SECTION = "## Prefix caching"
 OUT = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
