@@ -162,6 +162,7 @@ class Scheduler:
         drafts), the new tokens with their stop checks (a request may finish inside an accepted run), and
         the drafts for the next step. Returns the requests that got tokens."""
         now = time.monotonic()
+        speculating = self.num_lookahead_tokens > 0
         for s in sched.scheduled:
             req = s.request
             if s.kind == VERIFY:
@@ -171,21 +172,23 @@ class Scheduler:
                 req.num_computed_tokens += s.num_tokens
                 if s.kind != DECODE:
                     self.prompt_tokens += s.num_tokens
-            req.spec_token_ids, req.spec_draft_probs = out.drafts.get(req.request_id, ([], []))
+            if speculating:
+                req.spec_token_ids, req.spec_draft_probs = out.drafts.get(req.request_id, ([], []))
         # Prefix caching: snapshots and newly full blocks, before a finishing request frees its blocks.
         self.cache.after_step([(s.request, s.context_len) for s in sched.scheduled])
-        emitted: list[tuple[str, list[int], list]] = [
-            (rid, v.token_ids, v.logprobs) for rid, v in out.verified.items()
-        ]
-        if out.sampled is not None:
-            emitted += [
-                (rid, [token], [lp])
-                for rid, token, lp in zip(out.request_ids, out.sampled.token_ids, out.sampled.logprobs, strict=True)
-            ]
-        by_id = {s.request.request_id: s.request for s in sched.scheduled}
+        # The runner's rows follow the scheduled order: verify results by id, sampled tokens in turn.
+        sampled = iter(()) if out.sampled is None else zip(out.sampled.token_ids, out.sampled.logprobs, strict=True)
         touched = []
-        for rid, tokens, logprobs in emitted:
-            req = by_id[rid]
+        for s in sched.scheduled:
+            req = s.request
+            v = out.verified.get(req.request_id) if s.kind == VERIFY else None
+            if v is not None:
+                tokens, logprobs = v.token_ids, v.logprobs
+            elif s.samples:
+                token, lp = next(sampled)
+                tokens, logprobs = [token], [lp]
+            else:
+                continue
             if req.is_finished:  # aborted between schedule() and now
                 continue
             status = self.output.append_run(req, tokens, logprobs, now)

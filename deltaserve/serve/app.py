@@ -146,7 +146,7 @@ def build_app(
     @v1.post("/responses")
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         check_model(body.model)
-        prep = prepare_response(async_engine, body, tool_config, responses_store)
+        prep = await _prepare(raw, prepare_response, async_engine, body, tool_config, responses_store, rules)
         chat = prep.chat
         stream = await _add(
             async_engine, chat.request_id, {"prompt": chat.prompt, "prompt_token_ids": chat.prompt_token_ids},

@@ -30,6 +30,7 @@ from deltaserve.engine.detokenizer import stop_holdback
 from deltaserve.outputs import RequestOutput
 from deltaserve.serve.chat_tools import ToolConfig
 from deltaserve.serve.errors import APIError
+from deltaserve.serve.params import RequestRules
 from deltaserve.serve.protocol import ChatCompletionRequest
 from deltaserve.serve.reasoning import StreamingReasoningParser
 from deltaserve.serve.serving_chat import PreparedChat, prepare_chat
@@ -184,7 +185,9 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def prepare_response(engine: AsyncEngine, body: ResponsesRequest, tool_config: ToolConfig,
-                     store: ResponseStore) -> PreparedResponse:
+                     store: ResponseStore, rules: RequestRules | None = None) -> PreparedResponse:
+    """The request as the chat request it becomes, prepared as chat requests are (the server's rules:
+    generation_config defaults, the prompt-length check)."""
     extra = body.model_extra or {}
     for name in _UNSUPPORTED:
         if extra.get(name) is not None:
@@ -212,7 +215,7 @@ def prepare_response(engine: AsyncEngine, body: ResponsesRequest, tool_config: T
         name = "input" if where.startswith("messages") else where.split(".")[0]
         raise APIError(400, f"{name}: {first['msg']} (as {where} of the chat request it becomes)",
                        param=name) from None
-    prep = prepare_chat(engine, chat, tool_config)
+    prep = prepare_chat(engine, chat, tool_config, rules)
     return PreparedResponse(f"resp_{uuid.uuid4().hex}", body, prep, messages)
 
 
