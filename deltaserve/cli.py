@@ -13,6 +13,7 @@ from deltaserve.cli_bench import add_bench_parser
 from deltaserve.cli_plan import add_plan_parser
 from deltaserve.cli_serve import add_serve_parser
 from deltaserve.inspect.cli import add_inspect_parser
+from deltaserve.ops.format_names import QUANTIZATIONS
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -29,12 +30,25 @@ def json_object(text: str) -> dict[str, Any]:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags, spelled as in vLLM; shared by every subcommand that builds an engine."""
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--dtype", default="auto",
+                   help="activations: auto (float32 on CPU, weights kept as the checkpoint stores them), "
+                   "float32, bfloat16, float16 (weights in it too)")
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
+                   help="store the projections' weights as fp8 (E4M3, 128x128 blocks), int8 or int4 "
+                   "(group-wise, symmetric), quantized as they load (default: the checkpoint's format)")
+    p.add_argument("--quantization-group-size", type=int, default=None,
+                   help="columns per scale for int8 / int4 (default 32)")
+    p.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=True,
+                   help="whether --quantization covers lm_head too (default: yes)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for KV blocks + GDN state slots")
+    p.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes for KV blocks + GDN state slots (default: --cache-memory-fraction of the memory "
+                   "available after the weights load)")
+    p.add_argument("--cache-memory-fraction", type=float, default=0.5,
+                   help="share of the available memory the cache pools may take without --kv-cache-memory")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV blocks and GDN state snapshots of prompts' common prefixes (default: on "
@@ -65,11 +79,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
+        quantize_lm_head=args.quantize_lm_head,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
+        cache_memory_fraction=args.cache_memory_fraction,
         kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,
         mamba_cache_mode=args.mamba_cache_mode,

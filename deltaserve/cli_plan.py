@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from deltaserve.cache.dtypes import DTYPE_BYTES, KV_CACHE_DTYPES
 from deltaserve.config import ModelConfig
 from deltaserve.engine.known_configs import KNOWN_CONFIGS, known_config
+from deltaserve.ops.format_names import QUANTIZATIONS
 
 if TYPE_CHECKING:
     from deltaserve.engine.planner import MemoryPlan
@@ -47,6 +48,11 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--weight-dtype", default=None,
                    help="bfloat16 | float16 | float32 | fp8 "
                    "(default: fp8 for an FP8 checkpoint, else --dtype)")
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
+                   help="count the projections in this format, as `deltaserve serve --quantization` stores them")
+    p.add_argument("--quantization-group-size", type=int, default=None,
+                   help="columns per scale for int8 / int4 (default 32)")
+    p.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--speculative", action="store_true", help="count the MTP head and its KV cache")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="count the GDN state snapshots of prefix caching, on by default in the engine "
@@ -87,6 +93,9 @@ def run_plan(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             model_name=name,
             num_gdn_snapshots=snapshots,
+            quantization=args.quantization,
+            group_size=args.quantization_group_size,
+            quantize_lm_head=args.quantize_lm_head,
         )
     except (ValueError, NotImplementedError) as e:  # ConfigError and UnsupportedFeatureError included
         print(f"deltaserve plan: error: {e}", file=sys.stderr)
@@ -143,7 +152,8 @@ def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
         widths += [f"expert width {r.expert_intermediate}", f"shared expert width {r.shared_expert_intermediate}"]
     add(f"tensor parallel {plan.tp}: per rank attention heads {r.attention_heads}, KV heads {r.kv_heads}, "
         f"GDN heads {r.gdn_key_heads}k/{r.gdn_value_heads}v, {', '.join(widths)}, vocab rows {r.vocab}")
-    add(f"dtypes: model {plan.model_dtype}, weights {plan.weight_dtype}, KV cache {plan.kv_cache_dtype}, "
+    weights = plan.weight_dtype + (f", projections {plan.quantization}" if plan.quantization else "")
+    add(f"dtypes: model {plan.model_dtype}, weights {weights}, KV cache {plan.kv_cache_dtype}, "
         f"GDN recurrent state {plan.ssm_state_dtype}, conv state {plan.model_dtype}")
     add(f"workload: {plan.max_num_seqs} sequences x {plan.max_model_len:,} tokens, "
         f"block size {plan.block_size}")

@@ -19,7 +19,7 @@ def test_round_trip_is_within_the_format_step(name, shape):
     back = dequantize(data, scale, fmt, shape[1])
     assert back.shape == w.shape
     # Half a quantization step of the group's largest value (plus the bf16 rounding of the scale).
-    step = {"float32": 0.0, "bfloat16": 2**-7, "fp8": 2**-3, "int8": 1 / 127, "int4": 1 / 7}[name]
+    step = {"float32": 0.0, "bfloat16": 2**-7, "float16": 2**-10, "fp8": 2**-3, "int8": 1 / 127, "int4": 1 / 7}[name]
     assert (back - w).abs().max() <= step * w.abs().max() * 0.51 + 1e-7
     assert fmt.nbytes(*shape) == data.numel() * data.element_size() + (
         0 if scale is None else scale.numel() * scale.element_size())

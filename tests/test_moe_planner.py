@@ -15,6 +15,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.engine.known_configs import known_config
 from deltaserve.engine.planner import plan_memory, weight_parts
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
+from deltaserve.ops.formats import WeightFormat
 from tests.checkpoints import MOE, RATIOS_27B, TINY, hf_moe_config, random_mtp_tensors
 
 H, LAYERS, E, K, IE, V = 2048, 40, 256, 8, 512, 248320
@@ -57,8 +58,10 @@ def test_35b_a3b_tp4_splits_every_expert_along_its_width(a3b: ModelConfig) -> No
 def test_35b_a3b_fp8_quantizes_each_expert_and_keeps_the_router() -> None:
     cfg = ModelConfig.from_dict(known_config("qwen3.5-35b-a3b-fp8"))
     parts = {p.name: p for p in weight_parts(cfg)}
-    blocks = lambda rows, cols: math.ceil(rows / 128) * math.ceil(cols / 128)  # noqa: E731
-    per_expert = 2 * IE * H + IE * H + (blocks(2 * IE, H) + blocks(H, IE)) * 4
+    # The engine keeps fp8 scales per row and 128 columns (deltaserve/ops/formats.py): a block's scale once
+    # per row it covers.
+    scales = lambda rows, cols: rows * math.ceil(cols / 128)  # noqa: E731
+    per_expert = 2 * IE * H + IE * H + (scales(2 * IE, H) + scales(H, IE)) * 4
     assert parts["routed experts"].bytes_per_rank == E * per_expert
     assert parts["MoE router"].bytes_per_rank == 2 * (E * H + H)  # bf16
     assert parts["routed experts"].active_bytes_per_rank == K * per_expert
@@ -71,7 +74,9 @@ def test_router_name_does_not_match_dense_gate_proj() -> None:
     d["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16], "modules_to_not_convert":
                                 ["mlp.gate", "mlp.shared_expert_gate", "lm_head", "embed_tokens"]}
     parts = {p.name: p for p in weight_parts(ModelConfig.from_dict(d))}
-    assert parts["MLP"].bytes_per_rank < parts["MLP"].params * 1.1  # one byte per weight, plus scales
+    H, I = TINY["hidden_size"], TINY["intermediate_size"]
+    fp8 = WeightFormat("fp8", 16)  # one byte per weight, plus an fp32 scale per row and 16 columns
+    assert parts["MLP"].bytes_per_rank == 2 * fp8.nbytes(I, H) + fp8.nbytes(H, I)
     assert parts["MoE router"].bytes_per_rank == 2 * parts["MoE router"].params  # kept in bf16
 
 

@@ -105,7 +105,7 @@ def test_27b_fp8_weights() -> None:
     cfg = ModelConfig.from_dict(QWEN3_5_27B_FP8_CONFIG)
     parts = {p.name: p for p in weight_parts(cfg)}
     H, I = 5120, 17408
-    scales = (2 * math.ceil(I / 128) * math.ceil(H / 128) + math.ceil(H / 128) * math.ceil(I / 128)) * 4
+    scales = (2 * I * math.ceil(H / 128) + H * math.ceil(I / 128)) * 4  # fp32, per row and 128 columns
     assert parts["MLP"].bytes_per_rank == 3 * I * H + scales
     assert parts["embedding"].bytes_per_rank == 248320 * H * 2  # kept in bf16
     assert parts["lm_head"].bytes_per_rank == 248320 * H * 2

@@ -3,6 +3,7 @@ The engine sizes its pools here (plan_cache) and the planner counts with the sam
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -14,7 +15,28 @@ from deltaserve.model.sharding import rank_shape
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_MEMORY = 256 * 1024**2  # bytes of KV blocks + GDN state slots unless told
+MIN_KV_CACHE_MEMORY = 256 * 1024**2  # the default budget never goes below this
+DEFAULT_CACHE_MEMORY_FRACTION = 0.5  # of the memory available once the weights are in
+
+
+def available_memory_bytes() -> int:
+    """The memory the machine can give now without swapping (MemAvailable), 0 where it cannot tell."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def default_cache_memory(fraction: float = DEFAULT_CACHE_MEMORY_FRACTION) -> int:
+    """The cache budget when kv_cache_memory is not given: a fraction of the memory available after the
+    weights loaded, as vLLM's memory utilisation sizes its pool from what is left (the pools then take
+    only what max_num_seqs sequences of max_model_len can use)."""
+    return max(MIN_KV_CACHE_MEMORY, int(fraction * available_memory_bytes()))
+
 
 def num_kv_cache_layers(cfg: ModelConfig, with_mtp: bool = False) -> int:
     """Attention layers with a paged KV cache; the MTP layer(s) add their own when speculating (the same
@@ -117,6 +139,7 @@ class CacheOptions:
     num_kv_blocks: int | None  # forces the block count (tests of cache pressure)
     enable_prefix_caching: bool | None  # None: on where its snapshot pool costs no max_model_len
     num_gdn_snapshots: int | None = None
+    cache_memory_fraction: float = DEFAULT_CACHE_MEMORY_FRACTION  # used when kv_cache_memory is None
 
     @classmethod
     def of(cls, config) -> CacheOptions:
@@ -130,6 +153,8 @@ def plan_cache(cfg: ModelConfig, kv_dtype: torch.dtype, opts: CacheOptions, with
     max_model_len could use. Raise if one max_model_len sequence does not fit, since then a lone request
     could never complete. Prefix caching left to its default is on only where its snapshot pool costs
     nothing else: the same max_model_len still fits."""
+    if opts.kv_cache_memory is None:  # measured once: both plans below split the same budget
+        opts = dataclasses.replace(opts, kv_cache_memory=default_cache_memory(opts.cache_memory_fraction))
     on = opts.enable_prefix_caching
     snapshots = 0 if on is False else default_num_snapshots(opts.max_num_seqs, opts.num_gdn_snapshots)
     if on is None and opts.num_kv_blocks is None:
@@ -142,7 +167,7 @@ def plan_cache(cfg: ModelConfig, kv_dtype: torch.dtype, opts: CacheOptions, with
             log.warning(
                 "prefix caching is off: kv_cache_memory=%d bytes cannot hold its %d GDN snapshots beside the "
                 "state slots and one max_model_len sequence; raise kv_cache_memory or set num_gdn_snapshots",
-                opts.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, snapshots,
+                opts.kv_cache_memory, snapshots,
             )
             plan = plain
     else:
@@ -160,7 +185,7 @@ def _plan_cache(
     slots = opts.max_num_seqs
     block_bytes = kv_bytes_per_block(cfg, bs, kv_dtype, with_mtp)
     slot_bytes = gdn_state_bytes_per_seq(cfg, kv_dtype, ssm_dtype=torch.float32)  # allocate_cache keeps it fp32
-    memory = opts.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+    memory = opts.kv_cache_memory or MIN_KV_CACHE_MEMORY
     if opts.num_kv_blocks is not None:
         available = opts.num_kv_blocks
     else:

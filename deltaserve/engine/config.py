@@ -7,6 +7,7 @@ from typing import Any
 
 from deltaserve.cache.dtypes import engine_kv_cache_dtype
 from deltaserve.config import UnsupportedFeatureError
+from deltaserve.ops.formats import QUANTIZATIONS, WeightFormat
 
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
@@ -18,14 +19,21 @@ class EngineConfigError(ValueError):
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # checkpoint directory; None = the embedded demo checkpoint
-    dtype: str = "auto"  # "auto" = float32 on CPU
+    dtype: str = "auto"  # activations; "auto" = float32 on CPU, weights as the checkpoint stores them
+    # Weight format of the projections (vLLM's name): None keeps the checkpoint's (bf16 stays bf16, an FP8
+    # release stays fp8); "fp8", "int8" or "int4" quantizes them as they load (deltaserve/ops/formats.py).
+    quantization: str | None = None
+    quantization_group_size: int | None = None  # columns per scale for int8 / int4 (default 32)
+    quantize_lm_head: bool = True  # False: --quantization leaves lm_head in the checkpoint's format
     max_model_len: int | None = None  # None = the model's max_position_embeddings, if the cache holds it
     max_num_seqs: int = 64
     # One step's token budget. Larger chunks prefill faster on CPU; decode steps never come near it.
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     # Bytes for KV blocks + GDN state slots; capped by what max_num_seqs sequences of max_model_len need.
+    # None: cache_memory_fraction of the memory available once the weights are loaded (cache/sizing.py).
     kv_cache_memory: int | None = None
+    cache_memory_fraction: float = 0.5
     num_kv_blocks: int | None = None  # force the block count (tests of cache pressure); overrides memory
     # Reuse cached prefixes (KV blocks + GDN snapshots). None (the default): on, unless the snapshot pool
     # does not fit in kv_cache_memory (then off, with a warning); True: on, and that is an error.
@@ -71,6 +79,9 @@ class EngineConfig:
             positive(name)
         if self.dtype not in DTYPES:
             raise EngineConfigError(f"dtype {self.dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
+        self._check_quantization()
+        if not 0 < self.cache_memory_fraction <= 1:
+            raise EngineConfigError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction!r}")
         try:
             engine_kv_cache_dtype(self.kv_cache_dtype)
         except ValueError as e:
@@ -78,6 +89,25 @@ class EngineConfig:
         self._check_prefix_caching()
         if self.speculative_config is not None:
             validate_speculative_config(self.speculative_config)
+
+    def _check_quantization(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise EngineConfigError(
+                f"quantization {self.quantization!r} is not supported; accepted: {', '.join(QUANTIZATIONS)}")
+        if self.quantization_group_size is not None:
+            if self.quantization not in ("int8", "int4"):
+                raise EngineConfigError("quantization_group_size applies to quantization int8 or int4, "
+                                        f"not {self.quantization!r}")
+            try:
+                WeightFormat.of(self.quantization, self.quantization_group_size)
+            except ValueError as e:
+                raise EngineConfigError(str(e)) from None
+
+    @property
+    def weight_options(self) -> dict[str, Any]:
+        """load_model's weight arguments."""
+        return {"quantization": self.quantization, "group_size": self.quantization_group_size,
+                "quantize_lm_head": self.quantize_lm_head}
 
     def _check_prefix_caching(self) -> None:
         for name in ("mamba_block_size", "num_gdn_snapshots"):

@@ -1,5 +1,5 @@
 """Configs of released models, in the official config.json layout, for planning and inspecting shapes that
-cannot run here. Numbers as in REFERENCE.md (Qwen3.5-27B, Qwen3.5-35B-A3B)."""
+cannot run here. Numbers as in REFERENCE.md (Qwen3.5-0.8B, Qwen3.5-27B, Qwen3.5-35B-A3B)."""
 
 from __future__ import annotations
 
@@ -105,7 +105,21 @@ QWEN3_5_35B_A3B_FP8_CONFIG: dict[str, Any] = copy.deepcopy(QWEN3_5_35B_A3B_CONFI
 QWEN3_5_35B_A3B_FP8_CONFIG["quantization_config"] = copy.deepcopy(QWEN3_5_27B_FP8_CONFIG["quantization_config"])
 QWEN3_5_35B_A3B_FP8_CONFIG["quantization_config"]["modules_to_not_convert"] += ["mlp.gate", "mlp.shared_expert_gate"]
 
+# Qwen3.5-0.8B: REFERENCE.md's shape (hidden 1024, 24 layers, MLP 3584, 8 / 2 attention heads, 16 GDN value
+# heads, tied) with the family's common values; its vision tower depth 12, hidden 768 (heads 12 and MLP 3072
+# assumed, projecting to 1024). The benchmarks build random checkpoints from it (bench_formats.py).
+QWEN3_5_0_8B_CONFIG: dict[str, Any] = copy.deepcopy(QWEN3_5_27B_CONFIG)
+QWEN3_5_0_8B_CONFIG["tie_word_embeddings"] = True
+QWEN3_5_0_8B_CONFIG["text_config"].update(
+    hidden_size=1024, num_hidden_layers=24, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2,
+    linear_num_value_heads=16, tie_word_embeddings=True,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+)
+QWEN3_5_0_8B_CONFIG["vision_config"].update(depth=12, hidden_size=768, num_heads=12, intermediate_size=3072,
+                                            out_hidden_size=1024)
+
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3.5-0.8b": QWEN3_5_0_8B_CONFIG,
     "qwen3.5-27b": QWEN3_5_27B_CONFIG,
     "qwen3.5-27b-fp8": QWEN3_5_27B_FP8_CONFIG,
     "qwen3.5-35b-a3b": QWEN3_5_35B_A3B_CONFIG,

@@ -86,7 +86,8 @@ class LLMEngine:
             self.model_config = ModelConfig.from_file(path)
         else:
             # Speculation drafts with the checkpoint's MTP head: the loader names a checkpoint without mtp.*.
-            self.model = model if model is not None else load_model(path, dtype, with_mtp=k > 0)
+            self.model = model if model is not None else load_model(
+                path, config.dtype, with_mtp=k > 0, **config.weight_options)
             if k and self.model.mtp is None:
                 raise EngineConfigError(
                     "speculative_config method 'mtp' needs the model's MTP head, and this model has none "
@@ -103,7 +104,8 @@ class LLMEngine:
         self.max_model_len = plan.max_model_len
         if tp > 1:
             self.executor = start_tensor_parallel(
-                str(path), dtype, tp, with_mtp=k > 0, num_blocks=plan.num_blocks, block_size=config.block_size,
+                str(path), config.dtype, tp, weight_options=config.weight_options, with_mtp=k > 0,
+                num_blocks=plan.num_blocks, block_size=config.block_size,
                 num_slots=plan.num_slots, kv_dtype=kv_dtype, enforce_eager=config.enforce_eager,
             )
             self.model, self.cache_tensors = self.executor.model, self.executor.cache  # rank 0's shard

@@ -24,9 +24,10 @@ from deltaserve.cache.sizing import (
 )
 from deltaserve.config import ModelConfig
 from deltaserve.executor import fused_copy_bytes
+from deltaserve.model.linear import Linear, quantizable
 from deltaserve.model.sharding import RankShape, rank_config, rank_shape
+from deltaserve.ops.formats import WeightFormat
 
-FP8_SCALE_BYTES = 4  # one fp32 weight_scale_inv per block
 # Modules an FP8 block-quantized checkpoint keeps in high precision when its config does not list them:
 # embeddings and the output head, the tiny GDN a/b projections (Hv rows, below one 128 block) and the vision
 # tower; norms, conv1d, A_log and dt_bias are not linear weights and are never quantized. MoE: the router
@@ -121,7 +122,7 @@ def _tensors(module: torch.nn.Module, cfg: ModelConfig, r: RankShape, prefix: st
     """module's parameters (names relative to it, prefixed) with their whole-model and per-rank shapes. The
     3-D expert weights count as linear: FP8 releases quantize them expert by expert."""
     splits = _rank_splits(cfg, r)
-    linear = {name for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+    linear = {name for name, m in module.named_modules() if isinstance(m, Linear)}
     out = []
     for name, p in module.named_parameters():
         owner = "" if name == "weight" else name.removesuffix(".weight")  # the module holding p
@@ -189,13 +190,17 @@ def _vision_tensors(cfg: ModelConfig, tp: int) -> list[_Tensor]:
 
 def weight_parts(
     cfg: ModelConfig, tp: int = 1, weight_dtype: str | None = None, with_mtp: bool = False,
-    include_vision: bool = True,
+    include_vision: bool = True, quantization: str | None = None, group_size: int | None = None,
+    quantize_lm_head: bool = True,
 ) -> list[WeightPart]:
     """Weights grouped by part, with per-rank bytes in `weight_dtype` (default: fp8 for an FP8 checkpoint,
     else the config's dtype). With 'fp8', linear weights (2-D, and the 3-D experts expert by expert) not
     listed as kept are 1 byte each plus one fp32 scale per block; everything else stays in the config's
-    dtype. Each part also says what one decode token reads of it (active): num_experts_per_tok of the
-    num_experts routed experts, one embedding row, everything else whole."""
+    dtype. With `quantization` (fp8 / int8 / int4), the projections the engine quantizes
+    (deltaserve/model/linear.py quantizable: a tied embedding with its head) take that format's bytes,
+    WeightFormat.nbytes, the engine's own arithmetic. Each part also says what one decode token reads of it
+    (active): num_experts_per_tok of the num_experts routed experts, one embedding row, everything else
+    whole."""
     r = rank_shape(cfg, tp)
     quant = cfg.quantization_config or {}
     quant_fp8 = quant.get("quant_method") == "fp8"
@@ -212,12 +217,24 @@ def weight_parts(
         quant.get("modules_to_not_convert") or quant.get("ignored_layers") or DEFAULT_FP8_NOT_CONVERTED
     )
 
-    def nbytes(module: str, t: _Tensor) -> int:
-        full_name = f"{module}.{t.name}" if module else t.name
+    quantized = None if quantization is None else WeightFormat.of(quantization, group_size)
+
+    def stored_format(full_name: str, t: _Tensor) -> WeightFormat | None:
+        """The format the engine stores a linear weight in (None: not a linear weight)."""
+        tied_head = cfg.tie_word_embeddings and full_name.endswith("embed_tokens")
+        if not (t.linear or tied_head):
+            return None
+        if quantized is not None and quantizable("lm_head" if tied_head else full_name, quantize_lm_head):
+            return quantized
         if fp8 and t.linear and not any(_names_module(full_name, k) for k in not_converted):
+            return WeightFormat("fp8", block[1])  # one fp32 scale per row and 128 columns (ops/formats.py)
+        return None
+
+    def nbytes(module: str, t: _Tensor) -> int:
+        fmt = stored_format(f"{module}.{t.name}" if module else t.name, t)
+        if fmt is not None:
             *experts, rows, cols = t.rank
-            scales = math.ceil(rows / block[0]) * math.ceil(cols / block[1])
-            return math.prod(experts) * (rows * cols + scales * FP8_SCALE_BYTES)
+            return math.prod(experts) * fmt.nbytes(rows, cols)
         return _numel(t.rank) * DTYPE_BYTES[wdtype if not fp8 else hp_dtype]
 
     def part(name: str, module: str, count: int, tensors: list[_Tensor], included: bool = True) -> WeightPart:
@@ -316,6 +333,7 @@ class MemoryPlan:
     text_params: int = 0
     mtp_params: int = 0
     vision_params: int = 0
+    quantization: str = ""  # --quantization's format of the projections ("": the checkpoint's)
     fused_copy_bytes: int = 0  # fp32 compute of a bf16 checkpoint on a CPU: fused_copy_bytes()
     total_bytes: int = 0
     model_name: str = ""
@@ -338,6 +356,9 @@ def plan_memory(
     dtype: str | torch.dtype | None = None,
     model_name: str = "",
     num_gdn_snapshots: int = 0,
+    quantization: str | None = None,
+    group_size: int | None = None,
+    quantize_lm_head: bool = True,
 ) -> MemoryPlan:
     """Worst-case memory per TP rank for max_num_seqs sequences of max_model_len tokens each: every sequence
     holds ceil(max_model_len / block_size) KV blocks and one GDN state slot; prefix caching adds
@@ -357,7 +378,7 @@ def plan_memory(
     wdtype = normalize_dtype(weight_dtype) if weight_dtype else (
         "fp8" if quant.get("quant_method") == "fp8" else model_dtype
     )
-    parts = weight_parts(cfg, tp, wdtype, with_mtp, include_vision)
+    parts = weight_parts(cfg, tp, wdtype, with_mtp, include_vision, quantization, group_size, quantize_lm_head)
 
     per_tok_layer = kv_bytes_per_token_per_layer(cfg, kv_dtype, tp)
     n_kv_layers = num_kv_cache_layers(cfg, with_mtp)
@@ -386,7 +407,7 @@ def plan_memory(
         gdn_recurrent_bytes_per_layer=rec, gdn_conv_bytes_per_layer=conv, gdn_state_bytes_per_seq=per_seq,
         gdn_state_bytes=per_seq * max_num_seqs,
         num_gdn_snapshots=num_gdn_snapshots, gdn_snapshot_bytes=per_seq * num_gdn_snapshots,
-        weight_parts=parts, weight_bytes=weight_bytes, text_params=text_params,
+        weight_parts=parts, weight_bytes=weight_bytes, quantization=quantization or "", text_params=text_params,
         active_weight_bytes=active_bytes,
         active_params=sum(p.count * p.active_params for p in text_parts),
         mtp_params=by_name["MTP"].total_params if "MTP" in by_name else 0,

@@ -183,8 +183,8 @@ class TensorParallelExecutor(Executor):
 
 
 def start_tensor_parallel(
-    model_path: str, dtype: torch.dtype, tp: int, *, with_mtp: bool, num_blocks: int, block_size: int,
-    num_slots: int, kv_dtype: torch.dtype, enforce_eager: bool = False,
+    model_path: str, dtype: str, tp: int, *, with_mtp: bool, num_blocks: int, block_size: int,
+    num_slots: int, kv_dtype: torch.dtype, enforce_eager: bool = False, weight_options: dict | None = None,
 ) -> TensorParallelExecutor:
     """Join (or form) the process group of tp ranks as rank 0 and build every rank's shard and cache.
 
@@ -213,9 +213,10 @@ def start_tensor_parallel(
             workers.append(subprocess.Popen([sys.executable, "-m", "deltaserve.executor.tp_worker"], env=env))
     log.info("tensor parallel: rank 0 of %d (%s, %s workers) at %s:%d", tp, BACKEND,
              "external" if external else "local", addr, port)
-    spec = RankSpec(model=str(model_path), dtype=DTYPE_NAMES[dtype], with_mtp=with_mtp, num_blocks=num_blocks,
+    spec = RankSpec(model=str(model_path), dtype=dtype, with_mtp=with_mtp, num_blocks=num_blocks,
                     block_size=block_size, num_slots=num_slots, kv_dtype=DTYPE_NAMES[kv_dtype],
-                    threads=torch.get_num_threads(), enforce_eager=enforce_eager)
+                    threads=torch.get_num_threads(), enforce_eager=enforce_eager,
+                    weight_options=dict(weight_options or {}))
     try:
         dist.init_process_group(BACKEND, init_method=f"tcp://{addr}:{port}", rank=0, world_size=tp,
                                 timeout=timedelta(seconds=timeout))

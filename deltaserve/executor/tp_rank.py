@@ -4,7 +4,7 @@ shard, cache and executor from it, and how a worker answers the driver's calls (
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,9 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 @dataclass(slots=True)
 class RankSpec:
-    """What every rank builds: the checkpoint, its dtype, the cache pools (sized by the driver from the
-    per-rank config), the intra-op threads per rank, and whether the torch executor is forced."""
+    """What every rank builds: the checkpoint, its dtype (load_model's: "auto" or a name) and weight options,
+    the cache pools (sized by the driver from the per-rank config), the intra-op threads per rank, and
+    whether the torch executor is forced."""
 
     model: str
     dtype: str
@@ -38,6 +39,7 @@ class RankSpec:
     kv_dtype: str
     threads: int
     enforce_eager: bool = False
+    weight_options: dict = field(default_factory=dict)  # load_model's quantization arguments
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,7 +66,7 @@ def build_rank(spec: RankSpec, shard: Shard) -> Rank:
     the same one: their collectives pair up by order and shape, and the two executors differ there (the fused
     step's last layer all-reduces only output_rows), so where one rank could not build the fused step (its
     compiler failed, say) every rank runs the torch executor."""
-    model = load_model(spec.model, spec.dtype, with_mtp=spec.with_mtp, shard=shard)
+    model = load_model(spec.model, spec.dtype, with_mtp=spec.with_mtp, shard=shard, **spec.weight_options)
     kv_dtype = getattr(torch, spec.kv_dtype)
     cache = allocate_cache(
         model.rank_config, spec.num_blocks, spec.block_size, spec.num_slots, kv_dtype, with_mtp=spec.with_mtp
@@ -90,7 +92,7 @@ class RankWorker:
 
     @torch.inference_mode()
     def serve(self) -> None:
-        cfg, dtype = self.model.config, self.model.lm_head.weight.dtype
+        cfg, dtype = self.model.config, self.model.model.norm.weight.dtype  # the activations' dtype
         self.model.shard.in_step = True  # a worker runs nothing but the driver's calls
         while True:
             msg = receive(cfg.hidden_size, dtype)

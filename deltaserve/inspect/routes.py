@@ -80,11 +80,11 @@ class InspectorState:
 
     def model_summary(self) -> dict[str, Any]:
         cfg = self.model.config
-        p = next(self.model.parameters())
         return {
             "source": "measured",
             "model": getattr(self.engine.config, "model", None) or "embedded demo checkpoint",
-            "dtype": str(p.dtype).removeprefix("torch."),
+            "dtype": str(self.model.activation_dtype).removeprefix("torch."),
+            "weight_formats": self.model.weight_formats(),
             "params": sum(t.numel() for t in self.model.parameters()),
             "layer_types": [layer_kind(t) for t in cfg.layer_types],
             "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -162,7 +162,7 @@ def build_inspect_router(engine: Any) -> APIRouter:
     @router.get("/api/plan")
     async def plan(max_model_len: int = Query(8192, ge=1), max_num_seqs: int = Query(8, ge=1),
                    kv_cache_dtype: str = "auto", tp: int | None = Query(None, ge=1)) -> Response:
-        dtype = next(state.model.parameters()).dtype
+        dtype = state.model.activation_dtype
         return await guarded(memory_plans, state.model.config, dtype, max_model_len, max_num_seqs,
                              kv_cache_dtype, tp or state.tp, allocated_cache(state.engine))
 

@@ -36,7 +36,7 @@ def layer_detail(
     except (ConfigError, ValueError) as e:
         raise ValueError(f"tensor parallel size {tp} does not fit this model: {e}") from e
     layer = model.model.layers[layer_id]
-    act = _dt(next(layer.parameters()).dtype)
+    act = _dt(model.activation_dtype)
     kv = _dt(kv_dtype) if kv_dtype is not None else act
     T, H, I = num_tokens, cfg.hidden_size, cfg.intermediate_size
     Ir = r.intermediate

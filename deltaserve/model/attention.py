@@ -10,6 +10,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.layers import RMSNorm, RotaryEmbedding
+from deltaserve.model.linear import Linear
 from deltaserve.model.parallel import SINGLE, Shard
 from deltaserve.ops.attention import decode_attention, prefill_attention, write_kv
 
@@ -25,10 +26,10 @@ class GatedAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = self.head_dim**-0.5
         H = cfg.hidden_size
-        self.q_proj = nn.Linear(H, self.num_heads * self.head_dim * 2, bias=False)
-        self.k_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=False)
+        self.q_proj = Linear(H, self.num_heads * self.head_dim * 2)
+        self.k_proj = Linear(H, self.num_kv_heads * self.head_dim)
+        self.v_proj = Linear(H, self.num_kv_heads * self.head_dim)
+        self.o_proj = Linear(self.num_heads * self.head_dim, H)
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
 

@@ -10,6 +10,7 @@ from deltaserve.model.attention import GatedAttention
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.gdn import GatedDeltaNet
 from deltaserve.model.layers import RMSNorm, RotaryEmbedding
+from deltaserve.model.linear import Embedding, Linear, StoredWeights, tie
 from deltaserve.model.mlp import MLP
 from deltaserve.model.moe import SparseMoeBlock
 from deltaserve.model.parallel import SINGLE, Shard, VocabParallelEmbedding
@@ -51,11 +52,15 @@ class DecoderLayer(nn.Module):
         return y + ffn
 
 
-def vocab_embedding(cfg: ModelConfig, shard: Shard) -> nn.Module:
+def vocab_embedding(cfg: ModelConfig, shard: Shard) -> Embedding:
     """The whole vocabulary's embedding, or with tensor parallelism this rank's rows of it."""
     if shard.size == 1:
-        return nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        return Embedding(cfg.vocab_size, cfg.hidden_size)
     return VocabParallelEmbedding(rank_shape(cfg, shard.size).vocab, cfg.hidden_size, shard)
+
+
+def rotary_embedding(cfg: ModelConfig) -> RotaryEmbedding:
+    return RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
 
 
 class TextModel(nn.Module):
@@ -65,13 +70,11 @@ class TextModel(nn.Module):
         layer_cfg = rank_config(cfg, shard.size)
         self.layers = nn.ModuleList(DecoderLayer(layer_cfg, i, t, shard) for i, t in enumerate(cfg.layer_types))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(
-            cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved
-        )
+        self.rotary = rotary_embedding(cfg)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden states [T, H]."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids)  # in the activation dtype (Embedding.out_dtype)
         cos_sin = self.rotary.cos_sin(ctx.positions)
         for layer in self.layers:
             x = layer(x, ctx, self.rotary, cos_sin)
@@ -92,14 +95,23 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.rank_config = rank_config(cfg, shard.size)
         self.model = TextModel(cfg, shard)
         vocab_rows = cfg.vocab_size if shard.size == 1 else rank_shape(cfg, shard.size).vocab
-        self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, vocab_rows)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            tie(self.model.embed_tokens, self.lm_head)
         self.mtp = None
         if with_mtp:
             from deltaserve.model.mtp import MTPHead
 
             self.mtp = MTPHead(cfg, shard)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype the model computes in (its norms hold it; the weights keep their own formats)."""
+        return self.model.norm.weight.dtype
+
+    def weight_formats(self) -> list[str]:
+        """The formats its stored weights are in, e.g. ['bfloat16', 'int8']."""
+        return sorted({m.fmt.name for m in self.modules() if isinstance(m, StoredWeights)})
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final-normed hidden states [T, H]; no logits (ask compute_logits for the rows you need)."""

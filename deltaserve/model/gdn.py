@@ -13,6 +13,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.layers import GatedRMSNorm
+from deltaserve.model.linear import Linear
 from deltaserve.model.parallel import SINGLE, Shard
 from deltaserve.ops.conv import causal_conv1d, causal_conv1d_step
 from deltaserve.ops.delta_rule import delta_rule_chunked, delta_rule_recurrent, delta_rule_step
@@ -37,17 +38,17 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = cfg.conv_dim
         self.kernel_size = cfg.linear_conv_kernel_dim
         H = cfg.hidden_size
-        self.in_proj_qkv = nn.Linear(H, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(H, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(H, self.num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(H, self.conv_dim)
+        self.in_proj_z = Linear(H, self.value_dim)
+        self.in_proj_b = Linear(H, self.num_v_heads)
+        self.in_proj_a = Linear(H, self.num_v_heads)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, self.kernel_size, groups=self.conv_dim, bias=False
         )
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(self.head_v_dim, eps=cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+        self.out_proj = Linear(self.value_dim, H)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]

@@ -14,8 +14,10 @@ transformers' own save), both into the same 3-D parameters; Qwen3-Next's fused G
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,9 +35,11 @@ from deltaserve.model.checkpoint_names import (
     targets,
     view,
 )
-from deltaserve.model.decoder import Qwen3_5ForCausalLM
+from deltaserve.model.decoder import Qwen3_5ForCausalLM, rotary_embedding
+from deltaserve.model.linear import Embedding, StoredWeights, WeightPolicy, store, tie
 from deltaserve.model.parallel import SINGLE, Shard
 from deltaserve.model.sharding import RankPart, rank_part, rank_slice
+from deltaserve.ops.formats import QUANTIZATIONS, WeightFormat, fp8_from_blocks, quantize
 
 log = logging.getLogger(__name__)
 
@@ -94,16 +98,34 @@ def iter_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """parts: for a tensor-parallel rank, the part of each split tensor to read (only that part is read)."""
     parts = parts or {}
-    handles: dict[Path, object] = {}
-    for key in tqdm(keys, desc=f"loading {path.name}", unit="tensor", leave=False):
-        file = names[key]
-        if file not in handles:
-            handles[file] = _open(file)
-        try:
-            part = parts.get(key)
-            yield key, handles[file].get_tensor(key) if part is None else part.take(handles[file].get_slice(key))
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"tensor {key!r} in {file} cannot be read: {e}") from e
+    handles = {file: _open(file) for file in {names[key] for key in keys}}
+    sizes = {key: _nbytes(handles[names[key]], key) for key in keys}
+    handles.clear()
+    with tqdm(total=sum(sizes.values()), desc=f"loading {path.name}", unit="B", unit_scale=True,
+              unit_divisor=1024, leave=False) as progress:
+        for key in keys:
+            file = names[key]
+            # A handle per tensor: safetensors maps the file, and the pages a read touches stay resident
+            # while the mapping lives; so each mapping lives exactly as long as the tensor read from it
+            # (the weight itself when it is kept as read, else until it is converted).
+            handle = _open(file)
+            try:
+                part = parts.get(key)
+                yield key, handle.get_tensor(key) if part is None else part.take(handle.get_slice(key))
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"tensor {key!r} in {file} cannot be read: {e}") from e
+            del handle
+            progress.update(sizes[key])
+
+
+_ITEM_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+               "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _nbytes(handle, key: str) -> int:
+    """A checkpoint tensor's bytes, from the file's header (for the progress bar)."""
+    s = handle.get_slice(key)
+    return math.prod(s.get_shape()) * _ITEM_BYTES.get(s.get_dtype(), 4)
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: list[int]) -> torch.Tensor:
@@ -115,16 +137,136 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: list[in
     return weight.float() * scale[: weight.shape[0], : weight.shape[1]]
 
 
+def return_freed_memory() -> None:
+    """Have glibc's malloc hand large freed blocks back to the system. By default its mmap threshold rises
+    to the size of each large block freed, after which blocks of that size come from the heap and stay
+    resident when freed: loading a model that converts its weights (quantizing each tensor through a few
+    fp32 temporaries) then kept ~2x the weights' bytes resident (measured: 550 MB for 177 MB of int8
+    weights, 382 MB with this). A fixed threshold of 1 MiB keeps every large block its own mapping.
+    Process-wide; the fused step sets its own policy when it is built (csrc/parallel.h); a no-op where libc is
+    not glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        pass
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+QUANTIZE_ROWS = 1024  # rows quantized at once (a multiple of fp8's 128-row blocks)
+_SAFETENSORS_FORMATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "fp8"}
+
+
+def weight_policy(dtype: str | torch.dtype | None, cfg: ModelConfig, quantization: str | None = None,
+                  group_size: int | None = None, quantize_lm_head: bool = True) -> WeightPolicy:
+    """dtype None / "auto": activations in float32 (the CPU's), weights as the checkpoint stores them; a
+    dtype named: activations and every unquantized weight in it. quantization: fp8 / int8 / int4."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not supported; accepted: {', '.join(QUANTIZATIONS)}")
+    explicit = dtype not in (None, "auto")
+    compute = resolve_dtype(dtype, cfg) if explicit else torch.float32
+    return WeightPolicy(compute, quantization, group_size, explicit, quantize_lm_head)
+
+
+def _stored_format(handle, name: str, block: list[int]) -> WeightFormat:
+    """The format a checkpoint tensor is stored in (from the file's header, nothing read)."""
+    dtype = handle.get_slice(name).get_dtype()
+    if dtype not in _SAFETENSORS_FORMATS:
+        raise CheckpointError(f"tensor {name!r} has dtype {dtype}, which this engine does not load")
+    fmt = _SAFETENSORS_FORMATS[dtype]
+    return WeightFormat(fmt, block[1]) if fmt == "fp8" else WeightFormat(fmt)
+
+
+def _owner(model: torch.nn.Module, param: str) -> tuple[str, torch.nn.Module, str]:
+    """(module name, module, attribute) of a parameter name."""
+    module_name, _, attr = param.rpartition(".")
+    return module_name, model.get_submodule(module_name), attr
+
+
+def _materialize(model: torch.nn.Module, cfg: ModelConfig, policy: WeightPolicy,
+                 stored: dict[str, WeightFormat]) -> None:
+    """Give every parameter of the meta-built model its memory: stored weights in the format the policy
+    picks for them (from their checkpoint tensors' formats, `stored` by module name), the rest (norms,
+    conv, A_log, dt_bias) in the activation dtype; embeddings hand out rows in that dtype."""
+    head = model.lm_head
+    for name, module in model.named_modules():
+        if isinstance(module, StoredWeights):
+            if module is model.model.embed_tokens and cfg.tie_word_embeddings:
+                continue  # the head's weight, below
+            store(module, policy.format_for(name, module, stored.get(name) or WeightFormat("float32")))
+        if isinstance(module, Embedding):
+            module.out_dtype = policy.dtype
+    if cfg.tie_word_embeddings:
+        tie(model.model.embed_tokens, head)
+    for module in model.modules():
+        for attr, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                module.register_parameter(attr, torch.nn.Parameter(
+                    torch.empty(p.shape, dtype=policy.dtype), requires_grad=False))
+    model.model.rotary = rotary_embedding(cfg)  # computed, not loaded: rebuilt off the meta device
+
+
+def _fill(dest: torch.nn.Module, attr: str, t: Target, piece: torch.Tensor, fp8_scale: torch.Tensor | None,
+          block: list[int], name: str) -> None:
+    """Write one checkpoint piece (fp8 with its block scales, or plain values) into its part of a parameter,
+    converted to that parameter's format."""
+    param = getattr(dest, attr)
+    if not isinstance(dest, StoredWeights):
+        values = piece if fp8_scale is None else dequantize_fp8(piece, fp8_scale, block)
+        _copy(view(param, t), values, name, t)
+        return
+    fmt, k = dest.fmt, dest.logical_shape(attr)[-1]
+    data_dest, scale_dest = view(param, t), dest.scale(attr)
+    scale_dest = None if scale_dest is None else view(scale_dest, t)
+    if fp8_scale is not None and fmt.name == "fp8" and fmt.group == block[1]:
+        data, scale = fp8_from_blocks(piece, fp8_scale, tuple(block))  # the checkpoint's own bytes
+        _copy(data_dest, data, name, t)
+        _copy(scale_dest, scale, name, t)
+        return
+    values = piece if fp8_scale is None else dequantize_fp8(piece, fp8_scale, block)
+    if t.expert is None and not fmt.quantized and values.dtype == param.dtype and values.shape == param.shape:
+        param.data = values.contiguous()  # the tensor as read becomes the weight: no second copy, ever
+        return
+    expected = (*data_dest.shape[:-1], k)  # the part's shape in numbers (int4 data holds two per byte)
+    if tuple(values.shape) != expected:
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(values.shape)}, expected {expected} "
+                              f"for {t.describe()} from config.json")
+    # A few rows at a time (and 3-D experts one at a time): quantizing works in fp32, and a whole vocabulary's
+    # head or a layer's experts in fp32 would be a transient copy several times the weight's own bytes.
+    matrices = [(v, d, s) for v, d, s in zip(values, data_dest, scale_dest if scale_dest is not None else
+                                              [None] * len(values))] if values.dim() == 3 else [
+        (values, data_dest, scale_dest)]
+    for v, d, s in matrices:
+        for r0 in range(0, v.shape[0], QUANTIZE_ROWS):
+            rows = slice(r0, r0 + QUANTIZE_ROWS)
+            data, scale = quantize(v[rows], fmt)
+            _copy(d[rows], data, name, t)
+            if scale is not None:
+                _copy(s[rows], scale, name, t)
+
+
+def _copy(dest: torch.Tensor, piece: torch.Tensor, name: str, t: Target) -> None:
+    if tuple(piece.shape) != tuple(dest.shape):
+        raise CheckpointError(
+            f"tensor {name!r} has shape {tuple(piece.shape)}, expected {tuple(dest.shape)} "
+            f"for {t.describe()} from config.json"
+        )
+    dest.copy_(piece)
+
+
 def load_model(
     path: str | Path, dtype: str | torch.dtype | None = None, with_mtp: bool | None = None,
-    shard: Shard = SINGLE,
+    shard: Shard = SINGLE, quantization: str | None = None, group_size: int | None = None,
+    quantize_lm_head: bool = True,
 ) -> Qwen3_5ForCausalLM:
-    """Build the model from a checkpoint directory. with_mtp None: load the MTP head when present.
+    """Build the model from a checkpoint directory, each weight stored once in its format (weight_policy:
+    dtype None keeps the checkpoint's formats and computes in float32; quantization fp8 / int8 / int4
+    quantizes the projections as they are read). with_mtp None: load the MTP head when present.
     shard: with size N > 1, build rank shard.rank's part and keep each tensor's rank slice (rank_slice);
     a shape that does not split into N gets a ConfigError naming the heads and N."""
     path = Path(path)
     cfg = ModelConfig.from_file(path)
-    torch_dtype = resolve_dtype(dtype, cfg)
+    return_freed_memory()
+    policy = weight_policy(dtype, cfg, quantization, group_size, quantize_lm_head)
     names = checkpoint_files(path)
     has_mtp = any(n.startswith("mtp.") for n in names)
     if with_mtp and not has_mtp:
@@ -133,8 +275,9 @@ def load_model(
     if cfg.vision is not None and any(n.startswith("model.visual.") for n in names):
         log.info("skipping the vision tower (model.visual.*): deltaserve serves text only for now")
 
-    model = Qwen3_5ForCausalLM(cfg, with_mtp=load_mtp, shard=shard)
-    params = dict(model.named_parameters(remove_duplicate=False))
+    with torch.device("meta"):  # shapes only: every parameter gets its memory once, in its format
+        model = Qwen3_5ForCausalLM(cfg, with_mtp=load_mtp, shard=shard)
+    params = {n: p for n, p in model.named_parameters(remove_duplicate=False) if not n.endswith("_scale")}
     quant = cfg.quantization_config or {}
     fp8 = quant.get("quant_method") == "fp8"
     block = list(quant.get("weight_block_size") or [128, 128])
@@ -170,6 +313,14 @@ def load_model(
             + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
         )
 
+    stored: dict[str, WeightFormat] = {}  # module name -> the format its checkpoint tensors are in
+    for name, found in wanted.items():
+        module_name = _owner(model, found[0].param)[0]
+        if cfg.tie_word_embeddings and module_name == "model.embed_tokens":
+            module_name = "lm_head"  # one tensor for both: the head's format decides
+        stored.setdefault(module_name, _stored_format(_open(names[name]), name, block))
+    _materialize(model, cfg, policy, stored)
+
     # A rank reads only its part of each split tensor (a dense model: one whole parameter per tensor); fp8
     # weights are read whole, since their scales come in blocks, and sliced once dequantized.
     parts = {}
@@ -179,23 +330,20 @@ def load_model(
                 parts[n] = part
     with torch.no_grad():
         for name, tensor in iter_tensors(path, names, list(wanted), parts):
-            if fp8 and tensor.dtype == torch.float8_e4m3fn:
-                scale_name = name + "_scale_inv"  # x.weight -> x.weight_scale_inv; 3-D experts: x_scale_inv
-                if scale_name not in names:
-                    raise CheckpointError(f"fp8 tensor {name!r} has no {scale_name!r}")
-                scale = _open(names[scale_name]).get_tensor(scale_name)
-                tensor = dequantize_fp8(tensor, scale, block)
+            scale = None
             found = wanted[name]
+            if fp8 and tensor.dtype == torch.float8_e4m3fn:
+                scale_key = name + "_scale_inv"  # x.weight -> x.weight_scale_inv; 3-D experts: x_scale_inv
+                if scale_key not in names:
+                    raise CheckpointError(f"fp8 tensor {name!r} has no {scale_key!r}")
+                scale = _open(names[scale_key]).get_tensor(scale_key)
+                if len(found) > 1 or shard.size > 1:  # split or sliced: through its values
+                    tensor, scale = dequantize_fp8(tensor, scale, block), None
             if fp8 and shard.size > 1:
                 tensor = rank_slice(found[0].param, tensor, cfg, shard.rank, shard.size)
-            for t, piece in zip(found, split(name, tensor, cfg, found), strict=True):
-                dest = view(params[t.param], t)
-                if tuple(piece.shape) != tuple(dest.shape):
-                    raise CheckpointError(
-                        f"tensor {name!r} has shape {tuple(piece.shape)}, expected {tuple(dest.shape)} "
-                        f"for {t.describe()} from config.json"
-                    )
-                dest.copy_(piece.to(dest.dtype))
-    model = model.to(torch_dtype)
+            pieces = [tensor] if scale is not None else split(name, tensor, cfg, found)
+            for t, piece in zip(found, pieces, strict=True):
+                _, dest, attr = _owner(model, t.param)
+                _fill(dest, attr, t, piece, scale, block, name)
     model.eval()
     return model

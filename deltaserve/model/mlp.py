@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.model.linear import Linear
 from deltaserve.model.parallel import SINGLE, Shard
 
 
@@ -14,9 +15,9 @@ class MLP(nn.Module):
         """intermediate_size: this rank's share; down_proj's partial sums meet in shard."""
         super().__init__()
         self.shard = shard
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size)
+        self.up_proj = Linear(hidden_size, intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.shard.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))

@@ -15,6 +15,7 @@ from deltaserve.config import FULL_ATTENTION, ModelConfig
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.decoder import DecoderLayer, vocab_embedding
 from deltaserve.model.layers import RMSNorm, RotaryEmbedding
+from deltaserve.model.linear import Linear
 from deltaserve.model.parallel import SINGLE, Shard
 from deltaserve.model.sharding import rank_config
 
@@ -27,7 +28,7 @@ class MTPHead(nn.Module):
         H = cfg.hidden_size
         n = max(cfg.mtp_num_hidden_layers, 1)
         layer_cfg = rank_config(cfg, shard.size)
-        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.fc = Linear(2 * H, H)
         self.pre_fc_norm_embedding = RMSNorm(H, eps=cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(H, eps=cfg.rms_norm_eps)
         # Its attention layers cache K/V under layer ids after the trunk's.

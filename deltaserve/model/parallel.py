@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from deltaserve.model.linear import Embedding
+
 
 class ShardOutsideStepError(RuntimeError):
     """A tensor-parallel shard was run outside its executor, where the other ranks do not join."""
@@ -63,19 +65,18 @@ class Shard:
 SINGLE = Shard()  # the whole model in one process; never mutated (size 1 skips every collective)
 
 
-class VocabParallelEmbedding(torch.nn.Module):
+class VocabParallelEmbedding(Embedding):
     """Rows [rank * per_rank, (rank + 1) * per_rank) of the padded vocabulary; ids of other ranks' rows give
     zeros here, and the all-reduce adds the one rank's row that holds each id (exact: x + 0 = x)."""
 
     def __init__(self, per_rank: int, hidden_size: int, shard: Shard) -> None:
-        super().__init__()
+        super().__init__(per_rank, hidden_size)
         self.shard = shard
         self.start = shard.rank * per_rank
-        self.weight = torch.nn.Parameter(torch.zeros(per_rank, hidden_size))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = torch.nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = super().forward(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.shard.all_reduce(out)

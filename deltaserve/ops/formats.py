@@ -7,7 +7,7 @@ value times its scale is exact in fp32 or rounded once, the same way in both, so
 Every format is row-major along K, as checkpoints are, so a fused projection (q|k|v|z|b|a, gate|up) is
 just its parts' rows one after another, and a tensor-parallel rank's rows are a slice of them.
 
-- float32, bfloat16: the values themselves, no scale.
+- float32, bfloat16, float16: the values themselves, no scale.
 - fp8: E4M3 values and one fp32 scale per row and per `group` columns (128: Qwen's FP8 releases store one
   `weight_scale_inv` per 128 x 128 block; its rows are repeated here, exactly, so that a row's scales sit
   with the row, and parts or shards of a block keep theirs).
@@ -25,13 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
-FORMATS = ("float32", "bfloat16", "fp8", "int8", "int4")
-QUANTIZATIONS = ("fp8", "int8", "int4")  # what --quantization accepts; the other two are dtypes
-DEFAULT_GROUP = {"fp8": 128, "int8": 32, "int4": 32}
+from deltaserve.ops.format_names import DEFAULT_GROUP, FORMATS, QUANTIZATIONS
+
+__all__ = ["DEFAULT_GROUP", "FORMATS", "QUANTIZATIONS", "WeightFormat", "dequantize", "dequantize_rows",
+           "fp8_from_blocks", "quantize", "quantize_fp8_blocks"]
+
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _QMAX = {"int8": 127, "int4": 7}
 _DATA_DTYPE = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.float8_e4m3fn,
     "int8": torch.int8, "int4": torch.uint8,
 }
 _SCALE_DTYPE = {"fp8": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16}
@@ -111,14 +113,12 @@ def quantize(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Te
             return torch.stack([d for d, _ in pairs]), torch.stack([s for _, s in pairs])
         block = (fmt.group, fmt.group)
         return fp8_from_blocks(*quantize_fp8_blocks(w, block), block)
-    w = w.float()
-    k = w.shape[-1]
-    amax = _groups(w, fmt.group).abs().amax(dim=-1)
-    scale = (amax / _QMAX[fmt.name]).to(torch.bfloat16)
-    divisor = _expand(scale, fmt.group, k)
-    q = torch.where(divisor > 0, w / divisor.masked_fill(divisor == 0, 1.0), 0.0)
-    qmax = _QMAX[fmt.name]
-    q = q.round().clamp(-qmax, qmax).to(torch.int8)
+    k, qmax = w.shape[-1], _QMAX[fmt.name]
+    groups = _groups(w.float(), fmt.group)  # [..., N, G, group]
+    scale = (groups.abs().amax(dim=-1) / qmax).to(torch.bfloat16)
+    divisor = scale.float().unsqueeze(-1)
+    q = (groups / divisor.masked_fill(divisor == 0, 1.0)).round_().clamp_(-qmax, qmax)
+    q = q.to(torch.int8).flatten(-2)[..., :k]  # a zero group's values are 0 / 1 = 0
     if fmt.name == "int8":
         return q.contiguous(), scale.contiguous()
     return _pack_int4(q), scale.contiguous()

@@ -45,7 +45,7 @@ def _linear(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor
     word 32h + 2i, and output 32h + 16 + i at word 32h + 2i + 1. Read as 32-bit lanes, the low words are
     16 consecutive outputs and the high words the next 16, so the kernel turns 32 weights into fp32 with
     one shift and one mask (kPanel in the C++)."""
-    parts = [p.detach() for p in parts]
+    parts = [p.detach().float() for p in parts]  # until the kernels read stored formats: bf16 widened
     as_bf16 = [p.to(torch.bfloat16) for p in parts]
     if not all(torch.equal(b.float(), p) for b, p in zip(as_bf16, parts)):
         return parts, torch.empty(0)
@@ -69,7 +69,7 @@ def _add_experts(weights: dict[str, torch.Tensor], name: str, experts: torch.Ten
     """weights[name] = the model's 3-D expert tensor [E, N, K] itself (expert e's weight is its row block e),
     and weights[name + ".panels"] = [E, ceil(N/64), K, 64], every expert's bf16 panels, when all its values
     are bfloat16 numbers. One expert at a time: no fp32 temporary of all the experts."""
-    experts = experts.detach()
+    experts = experts.detach().float()
     panels = []
     for e in range(experts.shape[0]):
         panels.append(_linear([experts[e]])[1])
@@ -82,8 +82,11 @@ def _add_experts(weights: dict[str, torch.Tensor], name: str, experts: torch.Ten
 
 def supported(model: torch.nn.Module, cache: CacheTensors) -> str | None:
     """None if the fused step can run this model and cache, else the reason it cannot."""
-    if any(p.dtype != torch.float32 for p in model.model.parameters()):
-        return "weights are not float32"
+    stored = {p.dtype for p in model.parameters()}
+    if not stored <= {torch.float32, torch.bfloat16}:
+        return f"weights are stored as {', '.join(sorted(str(d).removeprefix('torch.') for d in stored))}"
+    if model.model.norm.weight.dtype != torch.float32:
+        return "activations are not float32"
     caches = [t for pair in cache.kv.values() for t in pair] + list(cache.conv.values()) + list(cache.ssm.values())
     if any(t.dtype != torch.float32 for t in caches):
         return "the cache is not float32"
@@ -231,7 +234,7 @@ class FusedTrunk(_FusedStack):
 
     def __init__(self, model: torch.nn.Module, cache: CacheTensors, ext: ModuleType | None = None) -> None:
         text = model.model
-        head = {"embed_tokens.weight": text.embed_tokens.weight.detach(), "norm.scale": _one_plus(text.norm)}
+        head = {"embed_tokens.weight": text.embed_tokens.weight.detach().float(), "norm.scale": _one_plus(text.norm)}
         _add_projection(head, "lm_head.panels", {"lm_head.weight": model.lm_head.weight})
         super().__init__(model, cache, head, list(text.layers), mtp=False, ext=ext)
 
@@ -289,8 +292,8 @@ class FusedMTP(_FusedStack):
         embed = mtp.embed_tokens if mtp.embed_tokens is not None else model.model.embed_tokens
         # Drafts take their logits from the trunk's lm_head (FusedTrunk.logits): no second bf16 copy here.
         head = {
-            "embed_tokens.weight": embed.weight.detach(), "norm.scale": _one_plus(mtp.norm),
-            "lm_head.weight": model.lm_head.weight.detach(),
+            "embed_tokens.weight": embed.weight.detach().float(), "norm.scale": _one_plus(mtp.norm),
+            "lm_head.weight": model.lm_head.weight.detach().float(),
             "pre_fc_norm_embedding.scale": _one_plus(mtp.pre_fc_norm_embedding),
             "pre_fc_norm_hidden.scale": _one_plus(mtp.pre_fc_norm_hidden),
         }

@@ -26,15 +26,12 @@ inline int64_t grain_for(int64_t work_per_item) {
 // returns freed heap tops to the kernel past 128 KB: a step's activations, a few hundred KB to a few MB,
 // were faulted in page by page at every step (the 64-request benchmark on the demo spent 15% there).
 // Keeping them on the heap is what servers get from tcmalloc or jemalloc; it is process-wide, and costs
-// up to the trim threshold of freed memory held back from the kernel.
+// up to the trim threshold of freed memory held back from the kernel. Set at every stack's construction:
+// the loader sets the opposite while it converts weights (deltaserve/model/loader.py return_freed_memory).
 inline void keep_step_memory_on_the_heap() {
 #if defined(__GLIBC__)
-  static const bool done = [] {
-    mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's ceiling for this setting on 64-bit
-    mallopt(M_TRIM_THRESHOLD, 512 << 20);
-    return true;
-  }();
-  (void)done;
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's ceiling for this setting on 64-bit
+  mallopt(M_TRIM_THRESHOLD, 512 << 20);
 #endif
 }
 

@@ -1,0 +1,5 @@
+"""The weight formats' names (deltaserve/ops/formats.py), free of torch so that the CLI's parser can list them."""
+
+FORMATS = ("float32", "bfloat16", "float16", "fp8", "int8", "int4")
+QUANTIZATIONS = ("fp8", "int8", "int4")  # what --quantization accepts; the others are dtypes
+DEFAULT_GROUP = {"fp8": 128, "int8": 32, "int4": 32}  # columns per scale
