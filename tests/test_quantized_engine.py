@@ -1,0 +1,51 @@
+"""The engine on quantized weights: greedy tokens equal those of the same model with its weights replaced by
+their dequantized values (the format's reference), for every format, with MTP speculation too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.assets import demo_checkpoint_path
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.model.linear import StoredWeights
+from deltaserve.model.loader import load_model
+from deltaserve.sampling import SamplingParams
+
+PROMPTS = [[3, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71], [5, 9, 2, 7], [17]]
+OPTIONS = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=16)  # prompts run in chunks
+
+
+def greedy(engine: LLMEngine, max_tokens: int = 16) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, params)
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = list(o.outputs[0].token_ids)
+    return [out[f"r{i}"] for i in range(len(PROMPTS))]
+
+
+def dequantized_reference(model) -> torch.nn.Module:
+    """The demo in fp32 with each stored weight set to the values `model` stores for it."""
+    ref = load_model(demo_checkpoint_path(), dtype="float32", with_mtp=model.mtp is not None)
+    ref_modules = dict(ref.named_modules())
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, StoredWeights):
+                for attr in m.WEIGHTS:
+                    getattr(ref_modules[name], attr).copy_(m.weight_values(attr))
+    return ref
+
+
+@pytest.mark.parametrize("quantization, k", [("int8", 0), ("int4", 0), ("fp8", 0), ("int8", 2)])
+def test_greedy_tokens_equal_the_dequantized_reference(quantization, k):
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    engine = LLMEngine(EngineConfig(quantization=quantization, speculative_config=spec, **OPTIONS))
+    assert quantization in engine.model.weight_formats()
+    ref = LLMEngine(EngineConfig(dtype="float32", speculative_config=spec, **OPTIONS),
+                    model=dequantized_reference(engine.model))
+    assert greedy(engine) == greedy(ref)
