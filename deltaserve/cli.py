@@ -35,7 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for KV blocks + GDN state slots")
-    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model dtype), float32, bfloat16, or fp8 (= fp8_e4m3: E4M3 with a scale per token "
+                   "and KV head)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV blocks and GDN state snapshots of prompts' common prefixes (default: on "
                    "when the snapshot pool fits in the cache memory)")
