@@ -49,9 +49,10 @@ def test_27b_layer_counts(cfg27: ModelConfig) -> None:
 
 def test_27b_kv_per_token(cfg27: ModelConfig) -> None:
     assert kv_bytes_per_token_per_layer(cfg27, "bfloat16") == 4 * KiB
-    assert kv_bytes_per_token_per_layer(cfg27, "fp8") == 2 * KiB
+    # fp8: one byte a value, and an fp32 scale per (token, kv head) of K and of V
+    assert kv_bytes_per_token_per_layer(cfg27, "fp8") == 2 * KiB + 2 * 4 * 4
     assert plan_memory(cfg27, 4096, 1, "auto").kv_bytes_per_token == 16 * 4 * KiB
-    assert plan_memory(cfg27, 4096, 1, "fp8").kv_bytes_per_token == 16 * 2 * KiB
+    assert plan_memory(cfg27, 4096, 1, "fp8").kv_bytes_per_token == 16 * (2 * KiB + 32)
     # speculating adds the MTP layer's own KV cache
     assert plan_memory(cfg27, 4096, 1, with_mtp=True).kv_bytes_per_token == 17 * 4 * KiB
     assert kv_bytes_per_block(cfg27, 16, torch.bfloat16) == 16 * 16 * 4 * KiB
@@ -257,7 +258,7 @@ def test_cli_plan_known_config(capsys: pytest.CaptureFixture[str]) -> None:
     rc = plan_main(["plan", "--model", "qwen3.5-27b", "--max-model-len", "32768", "--max-num-seqs", "8",
                     "--kv-cache-dtype", "fp8", "--tp", "4"])
     out = capsys.readouterr().out
-    assert rc == 0 and "tensor parallel 4" in out and "512 B" in out
+    assert rc == 0 and "tensor parallel 4" in out and "520 B" in out  # 256 fp8 values and a scale, K and V
 
 
 def test_cli_plan_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
