@@ -49,7 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "available after the weights load)")
     p.add_argument("--cache-memory-fraction", type=float, default=0.5,
                    help="share of the available memory the cache pools may take without --kv-cache-memory")
-    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model dtype), float32, bfloat16, or fp8 (= fp8_e4m3: E4M3 with a scale per token "
+                   "and KV head)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV blocks and GDN state snapshots of prompts' common prefixes (default: on "
                    "when the snapshot pool fits in the cache memory)")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deltaserve.cache.dtypes import DTYPE_BYTES, KV_CACHE_DTYPES
+from deltaserve.cache.dtypes import DTYPE_BYTES, KV_CACHE_DTYPES, kv_scale_bytes
 from deltaserve.config import ModelConfig
 from deltaserve.engine.known_configs import KNOWN_CONFIGS, known_config
 from deltaserve.ops.format_names import QUANTIZATIONS
@@ -179,8 +179,9 @@ def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
         add(f"  {label:<24}{format_bytes(value):>12}{'   ' + note if note else ''}")
 
     add("Attention KV cache (per rank)")
+    scales = " + an fp32 scale a row" if kv_scale_bytes(plan.kv_cache_dtype) else ""
     row("per token per layer", plan.kv_bytes_per_token_per_layer,
-        f"(2 x {r.kv_heads} KV heads x head_dim x {DTYPE_BYTES[plan.kv_cache_dtype]} B)")
+        f"(2 x {r.kv_heads} KV heads x (head_dim x {DTYPE_BYTES[plan.kv_cache_dtype]} B{scales}))")
     row(f"per token, {plan.num_kv_cache_layers} layers", plan.kv_bytes_per_token)
     row("per block", plan.kv_bytes_per_block)
     row("per sequence", plan.kv_bytes_per_block * plan.blocks_per_seq, f"({plan.blocks_per_seq:,} blocks)")

@@ -92,7 +92,7 @@ def test_stop_token_ids_and_eos(path: Path) -> None:
             "speculative_config.method 'ngram'",
         ),
         (dict(tensor_parallel_size=0), EngineConfigError, "tensor_parallel_size must be a positive integer"),
-        (dict(kv_cache_dtype="fp8"), EngineConfigError, "kv_cache_dtype 'fp8'"),
+        (dict(kv_cache_dtype="fp8_e5m2"), EngineConfigError, "kv_cache_dtype 'fp8_e5m2'"),
         (dict(max_num_seqs=0), EngineConfigError, "max_num_seqs"),
     ],
 )

@@ -191,10 +191,14 @@ def test_fused_greedy_tokens_are_the_argmax_of_the_logits(model, ext) -> None:
 
 
 def test_only_float32_models_and_caches_are_fused(model, tmp_path) -> None:
+    """(and fp8 KV caches: tests/test_fp8_kv.py)"""
     cache = allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1, dtype=torch.bfloat16)
-    assert supported(model, cache) == "the cache is not float32"
-    with pytest.raises(ValueError, match="cache is not float32"):
+    assert supported(model, cache) == "the KV cache is neither float32 nor fp8"
+    with pytest.raises(ValueError, match="KV cache is neither float32 nor fp8"):
         FusedTrunk(model, cache)
+    cache = allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1, dtype=torch.float8_e4m3fn)
+    cache.conv = {i: t.bfloat16() for i, t in cache.conv.items()}
+    assert supported(model, cache) == "the GDN state cache is not float32"
 
 
 @pytest.mark.parametrize("bf16_values", [False, True], ids=["fp32", "bf16-values"])

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from deltaserve.executor.fused_cpu.stack import _linear
 from deltaserve.model.gdn import l2norm
 from deltaserve.model.layers import GatedRMSNorm, RMSNorm, RotaryEmbedding
-from deltaserve.ops.attention import decode_attention, prefill_attention
+from deltaserve.ops.attention import decode_attention, prefill_attention, quantize_fp8
 from deltaserve.ops.conv import causal_conv1d_reference
 from deltaserve.ops.delta_rule import delta_rule_reference
 from deltaserve.ops.fused_ext import load_extension
@@ -198,8 +198,11 @@ ATTN_SEQS = [(1, 1), (1, 16), (1, 37), (1, 50), (3, 41), (20, 37), (18, 18)]
     (8, 2, 64, 16), (6, 1, 32, 16), (8, 1, 64, 16), (3, 3, 48, 16), (12, 1, 16, 16), (4, 2, 16, 8),
 ], ids=["group-4", "group-6", "group-8", "group-1-hd48", "group-12", "block-8"])
 @pytest.mark.parametrize("prompts", ["loop", "torch-kernel"])
+@pytest.mark.parametrize("kv", ["fp32", "fp8"])
 def test_paged_attention_matches_the_ops_reference(ext, nh: int, nkv: int, hd: int, block_size: int,
-                                                   prompts: str) -> None:
+                                                   prompts: str, kv: str) -> None:
+    """fp8: the cache holds E4M3 codes of rows of very different sizes with their row scales; the loop widens
+    them in registers, the reference dequantizes first."""
     g = torch.Generator().manual_seed(nh * 1000 + hd + block_size)
     need = [-(-L // block_size) for _, L in ATTN_SEQS]
     num_blocks = sum(need) + 3
@@ -214,16 +217,44 @@ def test_paged_attention_matches_the_ops_reference(ext, nh: int, nkv: int, hd: i
     q = torch.randn(int(qsl[-1]), nh, hd, generator=g)
     k_cache = torch.randn(num_blocks, nkv, hd, block_size, generator=g)
     v_cache = torch.randn(num_blocks, block_size, nkv, hd, generator=g)
+    scales = None
+    tol = TOL
+    if kv == "fp8":  # rows from 1e-3 to 10 (outputs to 10: fp32 rounding ten times the unit-scale one's)
+        sizes = torch.logspace(-3, 1, num_blocks * block_size)
+        k_cache *= sizes[torch.randperm(len(sizes), generator=g)].view(num_blocks, 1, 1, block_size)
+        v_cache *= sizes.view(num_blocks, block_size, 1, 1)
+        tol = dict(atol=1e-4, rtol=1e-4)
+        k_codes, k_scale = quantize_fp8(k_cache.transpose(2, 3))  # a key row is a column of its block
+        v_cache, v_scale = quantize_fp8(v_cache)
+        k_cache, k_scale = k_codes.transpose(2, 3).contiguous(), k_scale.contiguous()
+        scales = (k_scale, v_scale)
     loop_kv_bytes = 8 << 20 if prompts == "loop" else 0  # 0: chunks of more than 16 tokens to torch's kernel
-    got = ext.paged_attention(q, k_cache, v_cache, positions, qsl, tables, loop_kv_bytes)
+    got = ext.paged_attention(q, k_cache, v_cache, positions, qsl, tables, loop_kv_bytes,
+                              *(scales if scales is not None else ()))
     scale = hd**-0.5
     for b, (n, L) in enumerate(ATTN_SEQS):
         s, e = int(qsl[b]), int(qsl[b + 1])
         if n == 1:
-            expected = decode_attention(q[s:e], k_cache, v_cache, tables[b : b + 1], torch.tensor([L]), scale)
+            expected = decode_attention(q[s:e], k_cache, v_cache, tables[b : b + 1], torch.tensor([L]), scale, scales)
         else:
-            expected = prefill_attention(q[s:e], k_cache, v_cache, tables[b], L, scale)
-        torch.testing.assert_close(got[s:e], expected, **TOL)
+            expected = prefill_attention(q[s:e], k_cache, v_cache, tables[b], L, scale, scales)
+        torch.testing.assert_close(got[s:e], expected, **tol)
+
+
+def test_fp8_rows_quantize_as_the_reference(ext) -> None:
+    """The fp8 cache's writes (fp8.h) and deltaserve/ops/attention.py's quantize_fp8: the same codes and
+    scales, bit for bit, over rows of every size, a zero row, and values on E4M3's rounding ties."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 64, generator=g) * torch.logspace(-30, 30, 400)[:, None]
+    x[7] = 0.0
+    x[8, :3] = torch.tensor([448.0, 1.0625, -1.1875])  # scale 1: ties round to the even code
+    x[8, 3:] = 0.0
+    codes, scales = ext.quantize_fp8(x)
+    want_codes, want_scales = quantize_fp8(x)
+    assert codes.dtype == want_codes.dtype == torch.float8_e4m3fn
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes[8, :3].float(), torch.tensor([448.0, 1.0, -1.25]))
 
 
 # ---- sparse MoE ----------------------------------------------------------------------------------------

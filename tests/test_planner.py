@@ -49,9 +49,10 @@ def test_27b_layer_counts(cfg27: ModelConfig) -> None:
 
 def test_27b_kv_per_token(cfg27: ModelConfig) -> None:
     assert kv_bytes_per_token_per_layer(cfg27, "bfloat16") == 4 * KiB
-    assert kv_bytes_per_token_per_layer(cfg27, "fp8") == 2 * KiB
+    # fp8: one byte a value, and an fp32 scale per (token, kv head) of K and of V
+    assert kv_bytes_per_token_per_layer(cfg27, "fp8") == 2 * KiB + 2 * 4 * 4
     assert plan_memory(cfg27, 4096, 1, "auto").kv_bytes_per_token == 16 * 4 * KiB
-    assert plan_memory(cfg27, 4096, 1, "fp8").kv_bytes_per_token == 16 * 2 * KiB
+    assert plan_memory(cfg27, 4096, 1, "fp8").kv_bytes_per_token == 16 * (2 * KiB + 32)
     # speculating adds the MTP layer's own KV cache
     assert plan_memory(cfg27, 4096, 1, with_mtp=True).kv_bytes_per_token == 17 * 4 * KiB
     assert kv_bytes_per_block(cfg27, 16, torch.bfloat16) == 16 * 16 * 4 * KiB
@@ -154,6 +155,35 @@ def test_matches_allocated_cache(shape: dict, dtype: torch.dtype, with_mtp: bool
     assert plan.kv_cache_bytes == kv and plan.gdn_state_bytes * slots == state
 
 
+@pytest.mark.parametrize("with_mtp", [False, True])
+def test_fp8_kv_sizes_count_the_row_scales(with_mtp: bool) -> None:
+    """An fp8 KV cache: one byte per K/V value plus one fp32 scale per (token, kv head) of K and of V, and
+    the GDN conv state kept in fp32. The planner, the engine's pool sizing (plan_cache) and the allocation
+    count the same bytes."""
+    from deltaserve.cache.sizing import CacheOptions, plan_cache
+
+    cfg = small_config(RATIOS_27B)
+    num_blocks, block_size, slots = 7, 16, 3
+    cache = allocate_cache(cfg, num_blocks, block_size, slots, dtype=torch.float8_e4m3fn, with_mtp=with_mtp)
+    kv = sum(t.numel() * t.element_size() for pair in [*cache.kv.values(), *cache.kv_scales.values()] for t in pair)
+    state = sum(t.numel() * t.element_size() for t in [*cache.conv.values(), *cache.ssm.values()])
+    per_token_layer = 2 * cfg.num_key_value_heads * (cfg.head_dim + 4)
+    assert kv_bytes_per_block(cfg, block_size, "fp8", with_mtp=with_mtp) == block_size * per_token_layer * len(
+        cache.kv)
+    assert kv == num_blocks * kv_bytes_per_block(cfg, block_size, "fp8", with_mtp=with_mtp)
+    assert state == slots * gdn_state_bytes_per_seq(cfg, torch.float32)
+    plan = plan_memory(cfg, num_blocks * block_size, 1, kv_cache_dtype="fp8", block_size=block_size,
+                       with_mtp=with_mtp, dtype="float32")
+    assert plan.kv_cache_bytes == kv and plan.gdn_state_bytes * slots == state
+    budget = kv + state
+    opts = CacheOptions(block_size=block_size, max_num_seqs=slots, max_model_len=block_size, kv_cache_memory=budget,
+                        num_kv_blocks=None, enable_prefix_caching=False)
+    assert plan_cache(cfg, torch.float8_e4m3fn, opts, with_mtp=with_mtp).num_blocks == 3  # max_num_seqs x 1 block
+    opts.max_model_len = num_blocks * block_size  # exactly the budget: 7 blocks beside the 3 slots
+    opts.max_num_seqs = slots
+    assert plan_cache(cfg, torch.float8_e4m3fn, opts, with_mtp=with_mtp).num_blocks == num_blocks
+
+
 @pytest.mark.parametrize("shape", [TINY, RATIOS_27B])
 def test_parameter_count_matches_transformers(shape: dict) -> None:
     from transformers import Qwen3_5ForCausalLM
@@ -228,7 +258,7 @@ def test_cli_plan_known_config(capsys: pytest.CaptureFixture[str]) -> None:
     rc = plan_main(["plan", "--model", "qwen3.5-27b", "--max-model-len", "32768", "--max-num-seqs", "8",
                     "--kv-cache-dtype", "fp8", "--tp", "4"])
     out = capsys.readouterr().out
-    assert rc == 0 and "tensor parallel 4" in out and "512 B" in out
+    assert rc == 0 and "tensor parallel 4" in out and "520 B" in out  # 256 fp8 values and a scale, K and V
 
 
 def test_cli_plan_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -75,11 +75,13 @@ PARAMS = {
 }
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["fused", "eager"])
-@pytest.mark.parametrize("budget", [2048, 40], ids=["whole", "chunked"])
+@pytest.mark.parametrize(("eager", "budget", "kv"), [
+    (False, 2048, "auto"), (True, 2048, "auto"), (False, 40, "auto"), (True, 40, "auto"),
+    (False, 40, "fp8"), (True, 40, "fp8"),  # an fp8 KV cache: blocks of codes and their scales are shared
+], ids=["fused-whole", "eager-whole", "fused-chunked", "eager-chunked", "fused-chunked-fp8", "eager-chunked-fp8"])
 def test_multi_turn_chat_same_outputs_and_hits_at_the_last_prompt_boundary(path: Path, eager: bool,
-                                                                         budget: int) -> None:
-    kw = dict(enforce_eager=eager, max_num_batched_tokens=budget)
+                                                                         budget: int, kv: str) -> None:
+    kw = dict(enforce_eager=eager, max_num_batched_tokens=budget, kv_cache_dtype=kv)
     plain, cached = _engine(path, False, **kw), _engine(path, True, **kw)
     for seed, (kind, params) in enumerate(PARAMS.items()):
         want = _chat(plain, 5, params, seed=seed)  # a new conversation per kind: no hit on the first turn

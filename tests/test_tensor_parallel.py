@@ -33,18 +33,18 @@ MAX_LEN, SEQS, BLOCK = 96, 4, 16
 PROMPTS = [list(range(3, 26)), [5, 9, 2, 7, 7, 1, 4, 8, 3, 6, 11], [17, 3, 40]]  # 23 tokens: chunked by 16
 
 
-def make_engine(path: Path, tp: int, k: int = 0, eager: bool = False) -> LLMEngine:
+def make_engine(path: Path, tp: int, k: int = 0, eager: bool = False, kv: str = "auto") -> LLMEngine:
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
     return LLMEngine(EngineConfig(
         model=str(path), tensor_parallel_size=tp, enforce_eager=eager, max_num_seqs=SEQS, max_model_len=MAX_LEN,
         num_kv_blocks=SEQS * (MAX_LEN // BLOCK), block_size=BLOCK, max_num_batched_tokens=16,
-        speculative_config=spec,
+        speculative_config=spec, kv_cache_dtype=kv,
     ))
 
 
 @contextlib.contextmanager
-def engines(path: Path, k: int = 0, eager: bool = False) -> Iterator[tuple[LLMEngine, LLMEngine]]:
-    one, two = make_engine(path, 1, k, eager), make_engine(path, 2, k, eager)
+def engines(path: Path, k: int = 0, eager: bool = False, kv: str = "auto") -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    one, two = make_engine(path, 1, k, eager, kv), make_engine(path, 2, k, eager, kv)
     try:
         name = "torch" if eager else "fused-cpu"
         assert (one.executor.name, two.executor.name) == (name, f"{name}-tp")
@@ -106,6 +106,15 @@ def test_attention_and_gdn_head_splits_with_mtp_and_chunked_prompts(tmp_path: Pa
         with pytest.raises(ShardOutsideStepError, match="rank 0 of 2"):  # the fused step's hook raises it too
             two.executor.local.forward(torch.tensor([3]), step)
         assert greedy(two, max_tokens=3) == greedy(one, max_tokens=3)  # and the ranks are still in step
+
+
+def test_fp8_kv_cache_on_every_rank(tmp_path: Path) -> None:
+    """Each rank's fused step over its KV heads' fp8 cache (codes and row scales): the tokens of one rank."""
+    path = save_official_layout(random_hf_model(TINY, seed=3), tmp_path)
+    with engines(path, kv="fp8") as (one, two):
+        assert all(k.dtype == torch.float8_e4m3fn for pair in two.cache_tensors.kv.values() for k in pair)
+        assert two.cache_tensors.kv_scales
+        assert greedy(two) == greedy(one)
 
 
 def test_replicated_kv_heads_tied_embeddings_and_the_plan(tmp_path: Path) -> None:

@@ -12,8 +12,11 @@ _ALIASES = {
 }
 # What `deltaserve plan` sizes (vLLM's --kv-cache-dtype choices) ...
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
-# ... and what this engine's caches hold ('auto': the model's dtype).
-ENGINE_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+# ... and what this engine's caches hold ('auto': the model's dtype; 'fp8' is 'fp8_e4m3', as in vLLM).
+# fp8_e5m2 is refused: E4M3's extra mantissa bit is the better trade once every row has its own scale.
+ENGINE_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3")
+# An fp8 KV cache keeps one fp32 scale per (token, kv head) of K and of V (deltaserve/ops/attention.py).
+KV_SCALE_BYTES = 4
 
 
 def normalize_dtype(dtype) -> str:
@@ -41,6 +44,11 @@ def resolve_kv_cache_dtype(kv_cache_dtype, model_dtype) -> str:
         ) from None
 
 
+def kv_scale_bytes(dtype) -> int:
+    """Bytes of K's and V's scales per (token, kv head) in a KV cache of this dtype: 0 unless it is fp8."""
+    return 2 * KV_SCALE_BYTES if dtype_bytes(dtype) == 1 else 0
+
+
 def engine_kv_cache_dtype(kv_cache_dtype: str) -> str:
     """The engine's name for an accepted kv_cache_dtype option; ValueError naming the ones it runs."""
     try:
@@ -48,8 +56,9 @@ def engine_kv_cache_dtype(kv_cache_dtype: str) -> str:
     except ValueError:
         name = None
     if name not in ENGINE_KV_CACHE_DTYPES:
+        why = " (its fp8 KV cache is E4M3: use fp8 or fp8_e4m3)" if name == "fp8_e5m2" else ""
         raise ValueError(
-            f"kv_cache_dtype {kv_cache_dtype!r} is not supported by this engine; accepted: "
+            f"kv_cache_dtype {kv_cache_dtype!r} is not supported by this engine{why}; accepted: "
             f"{', '.join(ENGINE_KV_CACHE_DTYPES)} (and the aliases fp32, bf16)"
         )
     return name

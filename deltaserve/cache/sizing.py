@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltaserve.cache.dtypes import dtype_bytes
+from deltaserve.cache.dtypes import dtype_bytes, kv_scale_bytes
 from deltaserve.config import ConfigError, ModelConfig
 from deltaserve.model.sharding import rank_shape
 
@@ -48,8 +48,16 @@ def num_kv_cache_layers(cfg: ModelConfig, with_mtp: bool = False) -> int:
 
 
 def kv_bytes_per_token_per_layer(cfg: ModelConfig, dtype: str | torch.dtype, tp: int = 1) -> int:
-    """K and V of one token in one attention layer: 2 * nkv * hd * bytes (per rank)."""
-    return 2 * rank_shape(cfg, tp).kv_heads * cfg.head_dim * dtype_bytes(dtype)
+    """K and V of one token in one attention layer: 2 * nkv * hd * bytes (per rank), and an fp8 cache's
+    fp32 scale of each K and V row, 2 * nkv * 4 more."""
+    nkv = rank_shape(cfg, tp).kv_heads
+    return 2 * nkv * cfg.head_dim * dtype_bytes(dtype) + nkv * kv_scale_bytes(dtype)
+
+
+def conv_state_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The GDN conv state's dtype beside a KV cache of kv_dtype: the same, except that an fp8 KV cache keeps
+    the conv state in float32 (it feeds the recurrence; a few KB per sequence)."""
+    return torch.float32 if dtype_bytes(kv_dtype) == 1 else kv_dtype
 
 
 def kv_bytes_per_block(
@@ -184,7 +192,8 @@ def _plan_cache(
     bs = opts.block_size
     slots = opts.max_num_seqs
     block_bytes = kv_bytes_per_block(cfg, bs, kv_dtype, with_mtp)
-    slot_bytes = gdn_state_bytes_per_seq(cfg, kv_dtype, ssm_dtype=torch.float32)  # allocate_cache keeps it fp32
+    # allocate_cache's dtypes: the recurrent state fp32, the conv state conv_state_dtype
+    slot_bytes = gdn_state_bytes_per_seq(cfg, conv_state_dtype(kv_dtype), ssm_dtype=torch.float32)
     memory = opts.kv_cache_memory or MIN_KV_CACHE_MEMORY
     if opts.num_kv_blocks is not None:
         available = opts.num_kv_blocks

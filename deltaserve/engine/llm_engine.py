@@ -16,7 +16,7 @@ from deltaserve.cache.manager import CacheManager, CacheUsage
 from deltaserve.cache.prefix_cache import PrefixCacheStats
 from deltaserve.cache.sizing import CacheOptions, CacheSizeError, plan_cache
 from deltaserve.cache.snapshots import SnapshotPool
-from deltaserve.cache.tensors import allocate_cache
+from deltaserve.cache.tensors import allocate_cache, kv_cache_torch_dtype
 from deltaserve.config import ModelConfig
 from deltaserve.engine.config import EngineConfig, EngineConfigError
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
@@ -96,7 +96,7 @@ class LLMEngine:
             self.model_config = self.model.config
         rank_cfg = rank_config(self.model_config, tp)  # each rank's heads: the cache budget is per rank
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
-        kv_dtype = dtype if config.kv_cache_dtype == "auto" else TORCH_DTYPES[config.kv_cache_dtype]
+        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
         try:
             plan = plan_cache(rank_cfg, kv_dtype, CacheOptions.of(config), with_mtp=k > 0)
         except CacheSizeError as e:

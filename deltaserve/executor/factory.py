@@ -28,7 +28,8 @@ def make_executor(
         return TorchExecutor(model, cache)
     reason = supported(model, cache)
     if reason is not None:
-        log.info("executor%s: torch, since %s (the fused step is float32 only)", rank, reason)
+        log.info("executor%s: torch, since %s (the fused step needs float32 weights and GDN states, and a float32 "
+                 "or fp8 KV cache)", rank, reason)
         return TorchExecutor(model, cache)
     try:
         executor = FusedCPUExecutor(model, cache, with_mtp=with_mtp)

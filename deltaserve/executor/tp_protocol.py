@@ -105,9 +105,8 @@ def unpack_step(ints: torch.Tensor, cache: CacheTensors) -> tuple[torch.Tensor, 
 
 
 def cache_bytes(cache: CacheTensors) -> int:
-    """Bytes of every tensor a rank's cache holds: K/V blocks, conv and recurrent state slots."""
-    tensors = [t for kv in cache.kv.values() for t in kv] + list(cache.conv.values()) + list(cache.ssm.values())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes of every tensor a rank's cache holds: K/V blocks (and fp8 scales), conv and recurrent state slots."""
+    return sum(t.numel() * t.element_size() for t in cache.tensors())
 
 
 def collective_timeout_s() -> float:

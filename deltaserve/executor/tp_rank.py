@@ -21,7 +21,10 @@ from deltaserve.model.parallel import Shard
 
 log = logging.getLogger(__name__)
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPE_NAMES = {
+    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+    torch.float8_e4m3fn: "float8_e4m3fn",  # the fp8 KV cache
+}
 
 
 @dataclass(slots=True)

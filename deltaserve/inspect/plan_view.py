@@ -66,7 +66,8 @@ def allocated_cache(engine: Any) -> dict[str, Any] | None:
     if engine is None:
         return None
     ct = engine.cache_tensors
-    kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in ct.kv.values())
+    kv_pairs = [*ct.kv.values(), *ct.kv_scales.values()]  # an fp8 cache's row scales count as KV bytes
+    kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_pairs)
     gdn = sum(t.numel() * t.element_size() for t in [*ct.conv.values(), *ct.ssm.values()])
     usage = engine.cache.usage()
     return {"kv_bytes": kv, "gdn_state_bytes": gdn, "num_blocks": usage.total_blocks,

@@ -68,16 +68,17 @@ class GatedAttention(nn.Module):
             return torch.cat(outs)
 
         k_cache, v_cache = ctx.cache.kv[self.layer_id]
-        write_kv(k_cache, v_cache, ctx.slot_mapping, k, v)
+        scales = ctx.cache.kv_scales.get(self.layer_id)  # an fp8 cache's per-row scales (ops/attention.py)
+        write_kv(k_cache, v_cache, ctx.slot_mapping, k, v, scales)
         out = torch.empty_like(q)
         if ctx.decode_seqs:
             d = ctx.decode
             out[d.tokens] = decode_attention(
-                q[d.tokens], k_cache, v_cache, d.block_tables, d.seq_lens, self.scale
+                q[d.tokens], k_cache, v_cache, d.block_tables, d.seq_lens, self.scale, scales
             )
         for b in ctx.prefill_seqs + ctx.spec_seqs:  # a verify segment attends like a short chunk
             s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]
             out[s:e] = prefill_attention(
-                q[s:e], k_cache, v_cache, ctx.block_tables[b], ctx.seq_lens[b], self.scale
+                q[s:e], k_cache, v_cache, ctx.block_tables[b], ctx.seq_lens[b], self.scale, scales
             )
         return out

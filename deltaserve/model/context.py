@@ -19,6 +19,14 @@ class CacheTensors:
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
     conv: dict[int, torch.Tensor]  # GDN layer id -> [num_slots, conv_dim, K-1]
     ssm: dict[int, torch.Tensor]  # GDN layer id -> [num_slots, Hv, dk, dv] (fp32)
+    # fp8 K/V only: layer id -> fp32 k_scale [num_blocks, nkv, block_size], v_scale [num_blocks, block_size,
+    # nkv], one per (token, kv head) (ops/attention.py); empty for other dtypes
+    kv_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds: K/V blocks and their scales, conv and recurrent state slots."""
+        pairs = [*self.kv.values(), *self.kv_scales.values()]
+        return [t for pair in pairs for t in pair] + list(self.conv.values()) + list(self.ssm.values())
 
     @property
     def block_size(self) -> int:

@@ -4,7 +4,8 @@ Python model (deltaserve/model) is the reference; this removes the per-op overhe
 model's step on a CPU, and runs the GDN recurrence token by token in C++ (cheaper than the chunked form at
 these head sizes).
 
-Used for fp32 weights and caches (make_executor checks supported()). The C++ stack takes each layer's tensors
+Used for fp32 weights and caches, or an fp8 KV cache beside fp32 state caches (make_executor checks
+supported()). The C++ stack takes each layer's tensors
 by name (_layer_weights) and checks their shapes; it reads the model's own weights where they are and
 rewrites none of them. Projections that read the same input (GDN q|k|v|z|b|a, attention q|k|v, MLP gate|up)
 run as one: their weights go across as the row blocks of one projection (a sparse-MoE MLP's router, shared
@@ -27,6 +28,7 @@ import torch
 
 from deltaserve.model.context import CacheTensors, ForwardContext
 from deltaserve.model.moe import SparseMoeBlock
+from deltaserve.ops.attention import FP8
 from deltaserve.ops.fused_ext import load_extension
 
 __all__ = ["FusedMTP", "FusedTrunk", "supported"]
@@ -87,9 +89,11 @@ def supported(model: torch.nn.Module, cache: CacheTensors) -> str | None:
         return f"weights are stored as {', '.join(sorted(str(d).removeprefix('torch.') for d in stored))}"
     if model.model.norm.weight.dtype != torch.float32:
         return "activations are not float32"
-    caches = [t for pair in cache.kv.values() for t in pair] + list(cache.conv.values()) + list(cache.ssm.values())
-    if any(t.dtype != torch.float32 for t in caches):
-        return "the cache is not float32"
+    kv = [t for pair in cache.kv.values() for t in pair]
+    if any(t.dtype not in (torch.float32, FP8) for t in kv):
+        return "the KV cache is neither float32 nor fp8"
+    if any(t.dtype != torch.float32 for t in [*cache.conv.values(), *cache.ssm.values()]):
+        return "the GDN state cache is not float32"
     return None
 
 
@@ -152,6 +156,8 @@ def _layer_weights(layer: torch.nn.Module, cache: CacheTensors) -> dict[str, tor
         "self_attn.q_norm.scale": _one_plus(a.q_norm), "self_attn.k_norm.scale": _one_plus(a.k_norm),
         "k_cache": k_cache, "v_cache": v_cache,
     }
+    if layer.layer_id in cache.kv_scales:  # an fp8 cache's row scales (deltaserve/ops/attention.py)
+        w["k_cache_scale"], w["v_cache_scale"] = cache.kv_scales[layer.layer_id]
     return w
 
 

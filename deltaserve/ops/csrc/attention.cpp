@@ -8,6 +8,7 @@
 #include <optional>
 #include <vector>
 
+#include "fp8.h"
 #include "norms.h"
 #include "parallel.h"
 #include "simd.h"
@@ -15,6 +16,15 @@
 namespace deltaserve {
 
 namespace {
+
+// The cache's elements as the loops read them, templated on the element type KV: fp32, or fp8 codes
+// (uint8_t) widened to their value / kFp8Unit (fp8.h), whose row scales the loops apply.
+inline float load1(float x) { return x; }
+inline float load1(uint8_t code) { return widen_fp8(code); }
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint8_t* p) { return widen_fp8x16(p); }
+#endif
 
 // The attention loop reads the KV cache block by block, each block its own pages where the hardware
 // prefetcher starts cold; while it computes one block of a sequence's first token it asks for the keys and
@@ -27,27 +37,31 @@ constexpr int64_t kBlocksAhead = 2;
 // The register-tiled forms of block_scores and probs_times_v below, for a group of G <= 8 query heads per
 // KV head known at compile time (a runtime G left the accumulators on the stack, each FMA waiting on a
 // store). Larger groups, and machines without AVX-512, take the plain loops.
-template <int G>
-inline void block_scores_tile(const float* q0, int64_t q_stride, const float* kt, const float* ahead_k,
-                              const float* ahead_v, int64_t hd, float scale, float* out, int64_t ld, int64_t n) {
+// An fp8 block's scores are also multiplied by its keys' row scales, row_scale [16] (null for fp32).
+template <int G, typename KV>
+inline void block_scores_tile(const float* q0, int64_t q_stride, const KV* kt, const KV* ahead_k,
+                              const KV* ahead_v, int64_t hd, float scale, const float* row_scale, float* out,
+                              int64_t ld, int64_t n) {
   __m512 acc[G];
   for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
   for (int64_t e = 0; e < hd; ++e) {
-    if (ahead_k != nullptr) {  // one line of each, spread over the loop: a burst would stall it
+    // one line of each, spread over the loop: a burst would stall it (fp8: 16 codes a dim, 4 dims a line)
+    if (ahead_k != nullptr && (sizeof(KV) == 4 || e % 4 == 0)) {
       __builtin_prefetch(ahead_k + e * 16, 0, 1);
       __builtin_prefetch(ahead_v + e * 16, 0, 1);
     }
-    const __m512 k = _mm512_loadu_ps(kt + e * 16);
+    const __m512 k = load16(kt + e * 16);
     for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q0[g * q_stride + e]), k, acc[g]);
   }
   const __mmask16 first_n = static_cast<__mmask16>((1u << n) - 1);
-  const __m512 s = _mm512_set1_ps(scale);
+  __m512 s = _mm512_set1_ps(scale);
+  if (row_scale != nullptr) s = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(first_n, row_scale));
   for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(out + g * ld, first_n, _mm512_mul_ps(acc[g], s));
 }
 
 // C x 16 output dims of all G heads per pass (G * C accumulators): each V row is read hd / (16 C) times.
-template <int G, int C>
-inline void probs_times_v_tile(const float* probs, int64_t L, const float* v_base, const int64_t* rows,
+template <int G, int C, typename KV>
+inline void probs_times_v_tile(const float* probs, int64_t L, const KV* v_base, const int64_t* rows,
                                int64_t hd, float* out) {
   for (int64_t e0 = 0; e0 < hd; e0 += 16 * C) {
     __m512 acc[G][C];
@@ -55,9 +69,9 @@ inline void probs_times_v_tile(const float* probs, int64_t L, const float* v_bas
       for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
     }
     for (int64_t j = 0; j < L; ++j) {
-      const float* row = v_base + rows[j] + e0;
+      const KV* row = v_base + rows[j] + e0;
       __m512 v[C];
-      for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(row + 16 * c);
+      for (int c = 0; c < C; ++c) v[c] = load16(row + 16 * c);
       for (int g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(probs[g * L + j]);
         for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
@@ -70,8 +84,8 @@ inline void probs_times_v_tile(const float* probs, int64_t L, const float* v_bas
 }
 
 // The widest pass whose G * C accumulators and C value registers fit the 32 vector registers.
-template <int G>
-inline void probs_times_v_group(const float* probs, int64_t L, const float* v_base, const int64_t* rows,
+template <int G, typename KV>
+inline void probs_times_v_group(const float* probs, int64_t L, const KV* v_base, const int64_t* rows,
                                 int64_t hd, float* out) {
   constexpr int kWide = G <= 6 ? 4 : 2;
   if (hd % (16 * kWide) == 0) return probs_times_v_tile<G, kWide>(probs, L, v_base, rows, hd, out);
@@ -82,58 +96,55 @@ inline void probs_times_v_group(const float* probs, int64_t L, const float* v_ba
 // Scores of the G query heads of one KV head (head g's query at q0 + g * q_stride) against one cache block
 // of keys, kt [hd, block_size] (transposed: a dim's keys are contiguous): out[g * ld + l] = scale * q_g . k_l
 // for the first n offsets l. A block of 16 keeps every head's 16 scores in a register while the dims stream.
-inline void block_scores(const float* q0, int64_t q_stride, int64_t G, const float* kt, const float* ahead_k,
-                         const float* ahead_v, int64_t hd, int64_t block_size, float scale, float* out, int64_t ld,
-                         int64_t n) {
+// An fp8 block's scores are also multiplied by its keys' row scales, row_scale [block_size] (else null).
+template <typename KV>
+inline void block_scores(const float* q0, int64_t q_stride, int64_t G, const KV* kt, const KV* ahead_k,
+                         const KV* ahead_v, int64_t hd, int64_t block_size, float scale, const float* row_scale,
+                         float* out, int64_t ld, int64_t n) {
 #if defined(__AVX512F__)
   if (block_size == 16) {
+#define DELTASERVE_TILE(g) \
+  case g: return block_scores_tile<g>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, row_scale, out, ld, n)
     switch (G) {
-      case 1: return block_scores_tile<1>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, out, ld, n);
-      case 2: return block_scores_tile<2>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, out, ld, n);
-      case 3: return block_scores_tile<3>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, out, ld, n);
-      case 4: return block_scores_tile<4>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, out, ld, n);
-      case 5: return block_scores_tile<5>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, out, ld, n);
-      case 6: return block_scores_tile<6>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, out, ld, n);
-      case 7: return block_scores_tile<7>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, out, ld, n);
-      case 8: return block_scores_tile<8>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, out, ld, n);
+      DELTASERVE_TILE(1); DELTASERVE_TILE(2); DELTASERVE_TILE(3); DELTASERVE_TILE(4);
+      DELTASERVE_TILE(5); DELTASERVE_TILE(6); DELTASERVE_TILE(7); DELTASERVE_TILE(8);
       default: break;
     }
+#undef DELTASERVE_TILE
   }
 #endif
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t l = 0; l < n; ++l) {
       float acc = 0.0f;
-      for (int64_t e = 0; e < hd; ++e) acc += q0[g * q_stride + e] * kt[e * block_size + l];
-      out[g * ld + l] = acc * scale;
+      for (int64_t e = 0; e < hd; ++e) acc += q0[g * q_stride + e] * load1(kt[e * block_size + l]);
+      out[g * ld + l] = acc * scale * (row_scale != nullptr ? row_scale[l] : 1.0f);
     }
   }
 }
 
 // out[g] = sum_j probs[g, j] v_j for the G query heads of one KV head, v_j = v_base + rows[j]: up to 64
-// output dims of every head at a time stay in registers while the positions stream by.
-inline void probs_times_v(const float* probs, int64_t L, int64_t G, const float* v_base, const int64_t* rows,
+// output dims of every head at a time stay in registers while the positions stream by. (An fp8 cache's
+// caller has multiplied the probabilities by the V rows' scales.)
+template <typename KV>
+inline void probs_times_v(const float* probs, int64_t L, int64_t G, const KV* v_base, const int64_t* rows,
                           int64_t hd, float* out) {
 #if defined(__AVX512F__)
   if (hd % 16 == 0) {
+#define DELTASERVE_GROUP(g) case g: return probs_times_v_group<g>(probs, L, v_base, rows, hd, out)
     switch (G) {
-      case 1: return probs_times_v_group<1>(probs, L, v_base, rows, hd, out);
-      case 2: return probs_times_v_group<2>(probs, L, v_base, rows, hd, out);
-      case 3: return probs_times_v_group<3>(probs, L, v_base, rows, hd, out);
-      case 4: return probs_times_v_group<4>(probs, L, v_base, rows, hd, out);
-      case 5: return probs_times_v_group<5>(probs, L, v_base, rows, hd, out);
-      case 6: return probs_times_v_group<6>(probs, L, v_base, rows, hd, out);
-      case 7: return probs_times_v_group<7>(probs, L, v_base, rows, hd, out);
-      case 8: return probs_times_v_group<8>(probs, L, v_base, rows, hd, out);
+      DELTASERVE_GROUP(1); DELTASERVE_GROUP(2); DELTASERVE_GROUP(3); DELTASERVE_GROUP(4);
+      DELTASERVE_GROUP(5); DELTASERVE_GROUP(6); DELTASERVE_GROUP(7); DELTASERVE_GROUP(8);
       default: break;
     }
+#undef DELTASERVE_GROUP
   }
 #endif
   std::fill(out, out + G * hd, 0.0f);
   for (int64_t j = 0; j < L; ++j) {
-    const float* v = v_base + rows[j];
+    const KV* v = v_base + rows[j];
     for (int64_t g = 0; g < G; ++g) {
 #pragma omp simd
-      for (int64_t e = 0; e < hd; ++e) out[g * hd + e] += probs[g * L + j] * v[e];
+      for (int64_t e = 0; e < hd; ++e) out[g * hd + e] += probs[g * L + j] * load1(v[e]);
     }
   }
 }
@@ -145,18 +156,23 @@ struct AttentionItem {
 inline bool is_wanted(const char* wanted, int64_t t) { return wanted == nullptr || wanted[t] != 0; }
 
 // Attention of sequence b's query tokens (the last n of its L positions) through torch's fused kernel,
-// with its keys and values gathered from the cache blocks into [1, nkv, L, hd].
-void fused_attention(const at::Tensor& q_all, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& attn, const Batch& bt, int64_t b, int64_t L, float scale) {
-  const int64_t nh = q_all.size(1), hd = q_all.size(2), nkv = k_cache.size(1), block_size = v_cache.size(1);
+// with its keys and values gathered from the cache blocks into [1, nkv, L, hd] (an fp8 cache's dequantized).
+void fused_attention(const at::Tensor& q_all, const KVCache& cache, const at::Tensor& attn, const Batch& bt,
+                     int64_t b, int64_t L, float scale) {
+  const int64_t nh = q_all.size(1), hd = q_all.size(2), nkv = cache.k.size(1), block_size = cache.v.size(1);
   const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0, nb = (L + block_size - 1) / block_size;
   at::Tensor blocks = at::from_blob(const_cast<int64_t*>(bt.block_tables + b * bt.table_width), {nb}, at::kLong);
   auto heads_first = [&](const at::Tensor& rows) {  // [nb * block_size, nkv, hd] -> [1, nkv, L, hd]
     return rows.narrow(0, 0, L).transpose(0, 1).unsqueeze(0);
   };
-  at::Tensor keys =
-      heads_first(k_cache.index_select(0, blocks).permute({0, 3, 1, 2}).reshape({nb * block_size, nkv, hd}));
-  at::Tensor values = heads_first(v_cache.index_select(0, blocks).reshape({nb * block_size, nkv, hd}));
+  at::Tensor k_blocks = cache.k.index_select(0, blocks);  // [nb, nkv, hd, block_size]
+  at::Tensor v_blocks = cache.v.index_select(0, blocks);  // [nb, block_size, nkv, hd]
+  if (cache.fp8()) {
+    k_blocks = k_blocks.to(at::kFloat) * cache.k_scale.index_select(0, blocks).unsqueeze(2);
+    v_blocks = v_blocks.to(at::kFloat) * cache.v_scale.index_select(0, blocks).unsqueeze(3);
+  }
+  at::Tensor keys = heads_first(k_blocks.permute({0, 3, 1, 2}).reshape({nb * block_size, nkv, hd}));
+  at::Tensor values = heads_first(v_blocks.reshape({nb * block_size, nkv, hd}));
   at::Tensor q = q_all.narrow(0, t0, n);
   std::optional<at::Tensor> mask;  // the n queries are the last n of the L positions
   if (L != n) mask = at::arange(L).unsqueeze(0) <= at::arange(L - n, L).unsqueeze(1);
@@ -165,19 +181,38 @@ void fused_attention(const at::Tensor& q_all, const at::Tensor& k_cache, const a
   attn.narrow(0, t0, n).view({n, nh, hd}).copy_(out[0].transpose(0, 1));
 }
 
+// Token t's K rows k [nkv * hd] and V rows v into the cache at flat row kv_row: V rows as they are, K
+// transposed within its block (k[block][head][dim][offset]); an fp8 cache's as codes with their row scales.
+void cache_token(const KVCache& cache, const float* k, const float* v, int64_t kv_row, int64_t nkv, int64_t hd) {
+  const int64_t block_size = cache.v.size(1), row_size = nkv * hd;
+  const int64_t block = kv_row / block_size, offset = kv_row % block_size;
+  const int64_t k_at = block * row_size * block_size + offset;  // element (head 0, dim 0) of this token's key
+  if (!cache.fp8()) {
+    std::memcpy(cache.v.data_ptr<float>() + kv_row * row_size, v, row_size * sizeof(float));
+    float* kt = cache.k.data_ptr<float>() + k_at;
+    for (int64_t e = 0; e < row_size; ++e) kt[e * block_size] = k[e];
+    return;
+  }
+  uint8_t* v_codes = static_cast<uint8_t*>(cache.v.data_ptr()) + kv_row * row_size;
+  uint8_t* k_codes = static_cast<uint8_t*>(cache.k.data_ptr()) + k_at;
+  float* v_scales = cache.v_scale.data_ptr<float>() + kv_row * nkv;
+  float* k_scales = cache.k_scale.data_ptr<float>() + block * nkv * block_size + offset;
+  for (int64_t hh = 0; hh < nkv; ++hh) {
+    v_scales[hh] = quantize_fp8_row(v + hh * hd, hd, v_codes + hh * hd, 1);
+    k_scales[hh * block_size] = quantize_fp8_row(k + hh * hd, hd, k_codes + hh * hd * block_size, block_size);
+  }
+}
+
 }  // namespace
 
 void norm_rope_and_cache(const AttentionDims& d, const at::Tensor& proj, const at::Tensor& q_scale,
-                         const at::Tensor& k_scale, const at::Tensor& k_cache_t, const at::Tensor& v_cache_t,
-                         const Batch& bt, const float* cos, const float* sin, const char* wanted) {
+                         const at::Tensor& k_scale, const KVCache& cache, const Batch& bt, const float* cos,
+                         const float* sin, const char* wanted) {
   const int64_t nh = d.nh, nkv = d.nkv, hd = d.hd, half = d.rotary_dim / 2;
-  const int64_t q_width = 2 * nh * hd, width = q_width + 2 * nkv * hd;
-  const int64_t block_size = v_cache_t.size(1), row_size = nkv * hd;
+  const int64_t q_width = 2 * nh * hd, width = q_width + 2 * nkv * hd, row_size = nkv * hd;
   float* pp = proj.data_ptr<float>();
   const float* qs = q_scale.data_ptr<float>();
   const float* ks = k_scale.data_ptr<float>();
-  float* k_cache = k_cache_t.data_ptr<float>();
-  float* v_cache = v_cache_t.data_ptr<float>();
   for (int64_t t = 0; t < bt.T; ++t) {
     float* row = pp + t * width;
     for (int64_t hh = 0; hh < nh && is_wanted(wanted, t); ++hh) {
@@ -190,29 +225,32 @@ void norm_rope_and_cache(const AttentionDims& d, const at::Tensor& proj, const a
       rms_norm_row(k + hh * hd, ks, d.eps, hd, k + hh * hd);
       rope_head(k + hh * hd, cos + t * half, sin + t * half, half);
     }
-    // V rows as they are; K transposed within its block: k_cache[block][head][dim][offset]
-    const int64_t kv_row = bt.slot_mapping[t], block = kv_row / block_size, offset = kv_row % block_size;
-    std::memcpy(v_cache + kv_row * row_size, k + row_size, row_size * sizeof(float));
-    float* kt = k_cache + block * row_size * block_size + offset;
-    for (int64_t e = 0; e < row_size; ++e) kt[e * block_size] = k[e];
+    cache_token(cache, k, k + row_size, bt.slot_mapping[t], nkv, hd);
   }
 }
 
-void paged_attention(const at::Tensor& q, const at::Tensor& k_cache_t, const at::Tensor& v_cache_t, const Batch& bt,
-                     const char* wanted, int64_t loop_kv_bytes, const at::Tensor& out) {
-  const int64_t nh = q.size(1), hd = q.size(2), nkv = k_cache_t.size(1), group = nh / nkv;
+namespace {
+
+template <typename KV>
+void paged_attention_loop(const at::Tensor& q, const KVCache& cache, const Batch& bt, const char* wanted,
+                          int64_t loop_kv_bytes, const at::Tensor& out) {
+  const int64_t nh = q.size(1), hd = q.size(2), nkv = cache.k.size(1), group = nh / nkv;
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
-  const int64_t block_size = v_cache_t.size(1), row_size = nkv * hd;
+  const int64_t block_size = cache.v.size(1), row_size = nkv * hd;
   const float* qp = q.data_ptr<float>();
-  const float* k_cache = k_cache_t.data_ptr<float>();
-  const float* v_cache = v_cache_t.data_ptr<float>();
+  const KV* k_cache = static_cast<const KV*>(cache.k.data_ptr());
+  const KV* v_cache = static_cast<const KV*>(cache.v.data_ptr());
+  // fp8: scores take the keys' row scales, probabilities the values' (both times kFp8Unit: fp8.h)
+  const float* k_scales = cache.fp8() ? cache.k_scale.data_ptr<float>() : nullptr;
+  const float* v_scales = cache.fp8() ? cache.v_scale.data_ptr<float>() : nullptr;
+  const float unit = cache.fp8() ? kFp8Unit : 1.0f;
   // Each query token attends to positions 0 .. its own, read through its sequence's block table: in a
   // loop per (token, kv head) that reads each cached K/V row once for all the query heads of its group,
   // or, for a prompt chunk whose keys and values outgrow the caches (re-read for each of its tokens),
   // through torch's fused attention kernel.
   float* ap = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int64_t kv_bytes_per_position = 2 * row_size * static_cast<int64_t>(sizeof(float));
+  const int64_t kv_bytes_per_position = 2 * row_size * static_cast<int64_t>(sizeof(KV));
   std::vector<AttentionItem> items;  // the loop's work: up to kItemTokens tokens of one sequence
   int64_t loop_work = 0;             // query x key pairs, times the head work
   for (int64_t b = 0; b < bt.B; ++b) {
@@ -221,7 +259,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache_t, const at:
     const int64_t L = bt.positions[t0 + n - 1] + 1;
     // (with output rows, the loop: a chunk has one sampled token, not a block of queries)
     if (wanted == nullptr && n > kItemTokens && L * kv_bytes_per_position > loop_kv_bytes) {
-      fused_attention(q, k_cache_t, v_cache_t, out, bt, b, L, scale);
+      fused_attention(q, cache, out, bt, b, L, scale);
       continue;
     }
     // runs of up to kItemTokens wanted tokens
@@ -240,7 +278,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache_t, const at:
   // Block i of those token t (of items[k]) attends to, counting on past its last one into the blocks of
   // the next sequence below items[k_end] (later tokens of t's sequence read the same, cached, blocks):
   // what to ask for while an earlier block is computed. -1 when there is none.
-  const int64_t block_floats = block_size * row_size;
+  const int64_t block_elems = block_size * row_size;
   auto block_ahead = [&](int64_t k, int64_t k_end, int64_t t, int64_t i) -> int64_t {
     int64_t b = items[k].seq, blocks = bt.positions[t] / block_size + 1;
     if (i < blocks) return bt.block_tables[b * bt.table_width + i];
@@ -252,8 +290,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache_t, const at:
   };
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, num_items, grain_for(loop_work / std::max<int64_t>(num_items, 1)), [&](int64_t k0, int64_t k1) {
-    std::vector<float> probs;  // [nkv, group, L]
-    std::vector<int64_t> rows;   // offset (in floats) of each position's V row
+    std::vector<float> probs;        // [nkv, group, L]
+    std::vector<int64_t> rows;       // offset (in elements) of each position's V row
+    std::vector<float> value_scale;  // fp8: [nkv, len], each position's V row scale times kFp8Unit
     for (int64_t k = k0; k < k1; ++k) {
       const AttentionItem item = items[k];
       const int64_t* table = bt.block_tables + item.seq * bt.table_width;
@@ -262,6 +301,12 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache_t, const at:
       for (int64_t j0 = 0; j0 < len; j0 += block_size) {  // block by block: no division per position
         const int64_t first = table[j0 / block_size] * block_size * row_size;
         for (int64_t j = j0; j < std::min(len, j0 + block_size); ++j) rows[j] = first + (j - j0) * row_size;
+      }
+      if (v_scales != nullptr) {
+        value_scale.resize(nkv * len);
+        for (int64_t j = 0; j < len; ++j) {
+          for (int64_t kvh = 0; kvh < nkv; ++kvh) value_scale[kvh * len + j] = v_scales[rows[j] / hd + kvh] * unit;
+        }
       }
       for (int64_t t = item.begin; t < item.end; ++t) {
         // only the first token of a sequence here finds its blocks cold, and asks ahead
@@ -274,25 +319,42 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache_t, const at:
         for (int64_t i = 0; i < nb; ++i) {
           const int64_t j0 = i * block_size;
           const int64_t ahead = cold ? block_ahead(k, k1, t, i + kBlocksAhead) : -1;
-          const float* block_keys = k_cache + table[i] * block_floats;
+          const KV* block_keys = k_cache + table[i] * block_elems;
           for (int64_t kvh = 0; kvh < nkv; ++kvh) {
             const float* q0 = qp + t * q_row + kvh * group * q_head;  // head g of the group: q0 + g * q_head
             // each head's pass asks for its share (1/nkv) of the K and V blocks `ahead`
-            const int64_t share = ahead * block_floats + kvh * hd * block_size;
+            const int64_t share = ahead * block_elems + kvh * hd * block_size;
+            const float* row_scale = k_scales != nullptr ? k_scales + (table[i] * nkv + kvh) * block_size : nullptr;
             block_scores(q0, q_head, group, block_keys + kvh * hd * block_size,
                          ahead >= 0 ? k_cache + share : nullptr, ahead >= 0 ? v_cache + share : nullptr, hd,
-                         block_size, scale, probs.data() + kvh * group * L + j0, L, std::min(block_size, L - j0));
+                         block_size, scale * unit, row_scale, probs.data() + kvh * group * L + j0, L,
+                         std::min(block_size, L - j0));
           }
         }
         for (int64_t kvh = 0; kvh < nkv; ++kvh) {
           float* head_probs = probs.data() + kvh * group * L;
-          for (int64_t g = 0; g < group; ++g) softmax_row(head_probs + g * L, L);
+          for (int64_t g = 0; g < group; ++g) {
+            softmax_row(head_probs + g * L, L);
+            if (v_scales == nullptr) continue;
+            const float* vs = value_scale.data() + kvh * len;
+            float* p = head_probs + g * L;
+#pragma omp simd
+            for (int64_t j = 0; j < L; ++j) p[j] *= vs[j];
+          }
           float* o0 = ap + t * nh * hd + kvh * group * hd;
           probs_times_v(head_probs, L, group, v_cache + kvh * hd, rows.data(), hd, o0);
         }
       }
     }
   });
+}
+
+}  // namespace
+
+void paged_attention(const at::Tensor& q, const KVCache& cache, const Batch& bt, const char* wanted,
+                     int64_t loop_kv_bytes, const at::Tensor& out) {
+  if (cache.fp8()) return paged_attention_loop<uint8_t>(q, cache, bt, wanted, loop_kv_bytes, out);
+  paged_attention_loop<float>(q, cache, bt, wanted, loop_kv_bytes, out);
 }
 
 void output_gate(const at::Tensor& proj, int64_t nh, int64_t hd, const char* wanted, const at::Tensor& out) {

@@ -9,6 +9,7 @@
 
 #include "attention.h"
 #include "batch.h"
+#include "fp8.h"
 #include "gdn.h"
 #include "linear.h"
 #include "moe.h"
@@ -129,22 +130,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_alone(
 
 at::Tensor attention_alone(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& positions, const at::Tensor& qsl, const at::Tensor& block_tables,
-                           int64_t loop_kv_bytes) {
+                           int64_t loop_kv_bytes, const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale) {
   check_float(q, "q", 3);
-  check_float(k_cache, "k_cache", 4);
-  check_float(v_cache, "v_cache", 4);
+  const bool fp8 = k_scale.has_value();
+  for (const at::Tensor* t : {&k_cache, &v_cache}) {
+    TORCH_CHECK(t->scalar_type() == (fp8 ? at::kFloat8_e4m3fn : at::kFloat) && t->is_contiguous() && t->dim() == 4,
+                "k_cache, v_cache: contiguous 4-D, float32, or float8_e4m3fn with k_scale and v_scale");
+  }
   const int64_t T = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1), B = qsl.numel() - 1;
   TORCH_CHECK(nkv > 0 && nh % nkv == 0 && k_cache.size(2) == hd && v_cache.size(2) == nkv && v_cache.size(3) == hd &&
                   k_cache.size(0) == v_cache.size(0) && k_cache.size(3) == v_cache.size(1),
               "k_cache [blocks, nkv, hd, block_size], v_cache [blocks, block_size, nkv, hd] for q [T, nh, hd]");
   TORCH_CHECK(B >= 0, "qsl: [B + 1]");
+  KVCache cache{k_cache, v_cache, at::Tensor(), at::Tensor()};
+  if (fp8) {
+    TORCH_CHECK(v_scale.has_value(), "v_scale: given with k_scale");
+    cache.k_scale = *k_scale, cache.v_scale = *v_scale;
+    check_float(cache.k_scale, "k_scale", 3);
+    check_float(cache.v_scale, "v_scale", 3);
+    const int64_t blocks = k_cache.size(0), bs = k_cache.size(3);
+    TORCH_CHECK(cache.k_scale.sizes() == at::IntArrayRef({blocks, nkv, bs}) &&
+                    cache.v_scale.sizes() == at::IntArrayRef({blocks, bs, nkv}),
+                "k_scale [blocks, nkv, block_size], v_scale [blocks, block_size, nkv]");
+  }
   const at::Tensor zeros_b = at::zeros({B}, qsl.options()), slot_mapping = at::zeros({T}, qsl.options());
   const at::Tensor spec_index = at::full({B}, -1, qsl.options());
   const Batch bt = make_batch(T, positions, qsl, zeros_b, block_tables, slot_mapping, zeros_b, spec_index, 0, 0);
   check_batch(bt, -1, k_cache.size(0), v_cache.size(1));
   at::Tensor out = at::empty({T, nh * hd}, q.options());
-  paged_attention(q, k_cache, v_cache, bt, nullptr, loop_kv_bytes, out);
+  paged_attention(q, cache, bt, nullptr, loop_kv_bytes, out);
   return out.view({T, nh, hd});
+}
+
+// Rows x [R, n] as the fp8 cache writes them (fp8.h): E4M3 codes [R, n] and their scales [R].
+std::tuple<at::Tensor, at::Tensor> quantize_fp8_alone(const at::Tensor& x) {
+  check_float(x, "x", 2);
+  const int64_t R = x.size(0), n = x.size(1);
+  at::Tensor codes = at::empty({R, n}, x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor scales = at::empty({R}, x.options());
+  uint8_t* cp = static_cast<uint8_t*>(codes.data_ptr());
+  const float* xp = x.data_ptr<float>();
+  float* sp = scales.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) sp[r] = quantize_fp8_row(xp + r * n, n, cp + r * n, 1);
+  return {codes, scales};
 }
 
 // FusedStack::set_all_reduce with a Python callable (torch.distributed.all_reduce on the rank's group, in
@@ -229,5 +258,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_mlp", &moe_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "the sparse-MoE MLP [T, H] of normed rows h: routed experts plus the gated shared expert (moe.h)");
   m.def("paged_attention", &attention_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "out [T, nh, hd]: each query token's attention over its sequence's cached positions 0 .. positions[t]");
+        "out [T, nh, hd]: each query token's attention over its sequence's cached positions 0 .. positions[t] "
+        "(an fp8 cache with its k_scale and v_scale)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("positions"),
+        pybind11::arg("qsl"), pybind11::arg("block_tables"), pybind11::arg("loop_kv_bytes"),
+        pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());
+  m.def("quantize_fp8", &quantize_fp8_alone, "rows x [R, n] as the fp8 KV cache stores them: (codes, scales)");
 }

@@ -141,6 +141,23 @@ MoeWeights take_moe(NamedTensors& w, const Dims& d) {
   return out;
 }
 
+// An attention layer's KV cache: k_cache and v_cache, fp32, or fp8 with their row scales k_cache_scale and
+// v_cache_scale (stack.py, _layer_weights). blocks / block_size: -1 until the first attention layer's.
+KVCache take_kv_cache(NamedTensors& w, int64_t blocks, int64_t block_size, const Dims& d, size_t layer) {
+  const bool fp8 = w.has("k_cache_scale");
+  const at::ScalarType type = fp8 ? at::kFloat8_e4m3fn : at::kFloat;
+  KVCache c;
+  c.k = w.take("k_cache", {blocks, d.nkv, d.hd, block_size}, type);
+  c.v = w.take("v_cache", {blocks, block_size, d.nkv, d.hd}, type);
+  TORCH_CHECK(c.k.size(0) == c.v.size(0) && c.k.size(3) == c.v.size(1), "FusedStack: layer ", layer, " k_cache ",
+              c.k.sizes(), " and v_cache ", c.v.sizes(), " must have the same blocks of the same size");
+  if (fp8) {
+    c.k_scale = w.take("k_cache_scale", {c.k.size(0), d.nkv, c.k.size(3)});
+    c.v_scale = w.take("v_cache_scale", {c.k.size(0), c.k.size(3), d.nkv});
+  }
+  return c;
+}
+
 }  // namespace
 
 FusedStack::FusedStack(std::map<std::string, int64_t> dims, double eps, std::map<std::string, at::Tensor> head,
@@ -217,13 +234,8 @@ FusedStack::FusedStack(std::map<std::string, int64_t> dims, double eps, std::map
       l.a.q_scale = w.take("self_attn.q_norm.scale", {d_.hd});
       l.a.k_scale = w.take("self_attn.k_norm.scale", {d_.hd});
       l.a.o_w = w.projection({{"self_attn.o_proj.weight", H}}, d_.nh * d_.hd, "self_attn.o_proj.panels");
-      const int64_t block_size = num_blocks_ < 0 ? -1 : block_size_;  // -1 until the first attention layer's
-      l.a.k_cache = w.take("k_cache", {num_blocks_, d_.nkv, d_.hd, block_size});
-      l.a.v_cache = w.take("v_cache", {num_blocks_, block_size, d_.nkv, d_.hd});
-      TORCH_CHECK(l.a.k_cache.size(0) == l.a.v_cache.size(0) && l.a.k_cache.size(3) == l.a.v_cache.size(1),
-                  "FusedStack: layer ", i, " k_cache ", l.a.k_cache.sizes(), " and v_cache ", l.a.v_cache.sizes(),
-                  " must have the same blocks of the same size");
-      num_blocks_ = l.a.v_cache.size(0), block_size_ = l.a.v_cache.size(1);  // and every attention layer's these
+      l.a.kv = take_kv_cache(w, num_blocks_, num_blocks_ < 0 ? -1 : block_size_, d_, i);
+      num_blocks_ = l.a.kv.v.size(0), block_size_ = l.a.kv.v.size(1);  // and every attention layer's these
     }
     w.finish();
     layers_.push_back(std::move(l));
@@ -435,9 +447,9 @@ at::Tensor FusedStack::attention(const AttnWeights& w, const at::Tensor& h, cons
   {
     Timed timed(slot(kAttention));
     const char* wanted = only != nullptr ? only->wanted.data() : nullptr;
-    norm_rope_and_cache(d_.attention(), proj, w.q_scale, w.k_scale, w.k_cache, w.v_cache, bt, cos, sin, wanted);
+    norm_rope_and_cache(d_.attention(), proj, w.q_scale, w.k_scale, w.kv, bt, cos, sin, wanted);
     const at::Tensor q = proj.narrow(1, 0, q_width).view({bt.T, nh, 2 * hd}).narrow(2, 0, hd);
-    paged_attention(q, w.k_cache, w.v_cache, bt, wanted, loop_kv_bytes_, attn);
+    paged_attention(q, w.kv, bt, wanted, loop_kv_bytes_, attn);
     output_gate(proj, nh, hd, wanted, attn);
   }
   return project(w.o_w, only != nullptr ? attn.index_select(0, only->rows) : attn);

@@ -2,7 +2,7 @@
 // Projections go to linear.h (MKL, or the bf16 panel kernel); everything between them is one loop nest per
 // token and head (gdn.h, attention.h, norms.h) instead of a few hundred small torch ops. Same maths as
 // deltaserve/model/*.py, which stays the reference (tests/test_fused_step.py holds the two together).
-// fp32 weights, activations and caches.
+// fp32 weights, activations and state caches; the KV cache fp32 or fp8 (attention.h, KVCache).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -49,8 +49,7 @@ struct AttnWeights {
   Linear kv_w;                  // its k_proj | v_proj rows alone, when its panels split there (else empty)
   at::Tensor q_scale, k_scale;  // [hd] = 1 + q_norm / k_norm weight
   Linear o_w;                   // [hidden, nh*hd]
-  at::Tensor k_cache;           // [blocks, nkv, hd, block_size]: keys transposed within a block
-  at::Tensor v_cache;           // [blocks, block_size, nkv, hd]
+  KVCache kv;                   // the layer's paged K/V (fp32, or fp8 with row scales: attention.h)
 };
 
 struct Layer {
