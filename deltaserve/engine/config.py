@@ -52,6 +52,13 @@ class EngineConfig:
         spec = self.speculative_config
         return 0 if spec is None else int(spec["num_speculative_tokens"])
 
+    @property
+    def adaptive_speculation(self) -> bool:
+        """Whether each request drafts 0..k tokens per step as its measured acceptance and the measured
+        step costs make pay (deltaserve/engine/spec_policy.py), rather than always k."""
+        spec = self.speculative_config
+        return spec is not None and bool(spec.get("adaptive", True))
+
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
             value = getattr(self, name)
@@ -117,18 +124,20 @@ MAMBA_CACHE_MODES = ("none", "align", "all")
 SPEC_METHODS = ("mtp",)
 
 
+SPEC_KEYS = ("method", "num_speculative_tokens", "adaptive")
+
+
 def validate_speculative_config(spec: Any) -> None:
-    """{"method": "mtp", "num_speculative_tokens": k}: the model's own MTP head drafts k tokens per step."""
+    """{"method": "mtp", "num_speculative_tokens": k, "adaptive": true}: the model's own MTP head drafts up
+    to k tokens per step; with "adaptive" (the default) as many as pay for each request, else always k."""
     if not isinstance(spec, dict):
         raise EngineConfigError(
             f'speculative_config must be a dict like {{"method": "mtp", "num_speculative_tokens": 2}}, '
             f"got {type(spec).__name__} {spec!r}"
         )
-    unknown = sorted(set(spec) - {"method", "num_speculative_tokens"})
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
     if unknown:
-        raise EngineConfigError(
-            f"speculative_config has unknown keys {unknown}; accepted: method, num_speculative_tokens"
-        )
+        raise EngineConfigError(f"speculative_config has unknown keys {unknown}; accepted: {', '.join(SPEC_KEYS)}")
     method = spec.get("method")
     if method not in SPEC_METHODS:
         raise EngineConfigError(
@@ -139,3 +148,5 @@ def validate_speculative_config(spec: Any) -> None:
         raise EngineConfigError(
             f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}"
         )
+    if not isinstance(spec.get("adaptive", True), bool):
+        raise EngineConfigError(f"speculative_config.adaptive must be true or false, got {spec['adaptive']!r}")
