@@ -83,7 +83,10 @@ def test_cost_table_trusts_repeated_measurements_and_takes_the_lower() -> None:
     t.record(8, 2.0)  # the lower of two measurements, at once
     assert t.trusted(8) and t(8) == 2.0
     assert t(4) == pytest.approx(1.0 + 3 / 7)  # linear between measured counts
-    assert t(100) == 2.0  # flat beyond them
+    assert t(10) == pytest.approx(2.0 + 2 / 7)  # beyond them on the last segment's slope
+    t.record(9, 1.5)
+    t.record(9, 1.5)
+    assert t(20) == 1.5  # but never falling
     t.record(8, 12.0)  # a higher one rises by a tenth of the gap (other jobs only ever add time)
     assert t(8) == pytest.approx(3.0)
 
@@ -95,3 +98,17 @@ def test_acceptance_estimate_counts_the_examined_drafts() -> None:
     assert (e.accepted, e.examined) == (4, 5)
     assert e.rate(prior=0.5, weight=0.0) == pytest.approx(0.8)
     assert AcceptanceEstimate().rate(prior=0.3) == pytest.approx(0.3)  # nothing of its own: the prior
+
+
+def test_a_request_that_stopped_drafting_drifts_back_to_the_engine_rate() -> None:
+    p = policy(MEMORY_BOUND)
+    for _ in range(20):
+        p.record_verify(AcceptanceEstimate(), 3, 3)  # the engine's other requests accept everything
+    mine = AcceptanceEstimate()
+    for _ in range(10):
+        p.record_verify(mine, 3, 0)
+    low = p.rate(mine)
+    assert low < 0.3
+    for _ in range(40):
+        p.record_no_drafts(mine)
+    assert p.rate(mine) > 2 * low

@@ -36,6 +36,9 @@ class EngineConfig:
     # Tokens between GDN snapshots of a long prompt (vLLM's name; a multiple of block_size). None: 32 blocks.
     mamba_block_size: int | None = None
     num_gdn_snapshots: int | None = None  # GDN snapshot pool size (default 4 * max_num_seqs)
+    # {"method": "mtp", "num_speculative_tokens": k, "adaptive": True}: MTP drafting of up to k tokens per
+    # step, as many as measure to pay per request (adaptive, the default) or always k. None: off (the
+    # default; docs/benchmarks.md, "adaptive k and the default", has the measurements behind that).
     speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"

@@ -207,6 +207,10 @@ class SpecDecoder:
             [self._num_drafts(e) for e in candidates],
         )
         budget = {id(e): k for e, k in zip(candidates, chosen, strict=True)}
+        if self.policy.adaptive:
+            for e, k in zip(candidates, chosen, strict=True):
+                if k == 0:
+                    self.policy.record_no_drafts(e.request.spec_acceptance)
         bs = self.manager.block_size
         pieces: list[torch.Tensor] = []
         tokens: list[int] = []

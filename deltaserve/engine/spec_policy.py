@@ -58,8 +58,9 @@ class AcceptanceEstimate:
 
 
 class CostTable:
-    """Seconds against a row count: piecewise linear between measured counts, flat beyond them (an
-    untried size is assumed as cheap as its nearest measured one, so it gets tried and measured). A count
+    """Seconds against a row count: piecewise linear between measured counts and on beyond the largest
+    with the slope of the last two (no lower than flat); with one count measured, flat (an untried size
+    is assumed as cheap as the measured one, so it gets tried and measured). A count
     measured once is not trusted while others were measured more: a first call often includes one-off
     work (allocation, a first kernel call), and a size that looked dear once would never be tried again."""
 
@@ -94,7 +95,11 @@ class CostTable:
         if i == 0:
             return self.seconds[known[0]]
         if i == len(known):
-            return self.seconds[known[-1]]
+            if len(known) == 1:
+                return self.seconds[known[0]]
+            lo, hi = known[-2], known[-1]
+            slope = max((self.seconds[hi] - self.seconds[lo]) / (hi - lo), 0.0)
+            return self.seconds[hi] + slope * (rows - hi)
         lo, hi = known[i - 1], known[i]
         f = (rows - lo) / (hi - lo)
         return self.seconds[lo] + f * (self.seconds[hi] - self.seconds[lo])
@@ -151,6 +156,12 @@ class DraftPolicy:
     def record_verify(self, request: AcceptanceEstimate, num_drafted: int, num_accepted: int) -> None:
         request.update(num_drafted, num_accepted, REQUEST_DECAY)
         self.pooled.update(num_drafted, num_accepted, POOLED_DECAY)
+
+    def record_no_drafts(self, request: AcceptanceEstimate) -> None:
+        """A step in which the request drafted nothing: its own counts fade towards the engine-wide rate,
+        so a streak of rejections that stopped its drafting does not stop it for good (it learns nothing
+        new while it does not draft)."""
+        request.update(0, 0, REQUEST_DECAY)
 
     def record_step(self, rows: int, seconds: float) -> None:
         self.costs.record_step(rows, seconds)
