@@ -57,7 +57,7 @@ class Row:
 def run(model: str | None, k: int, batch: int, tokens: int) -> tuple[Row, LLM]:
     """Batch 1 runs each of the prompts alone (one prompt would let its text's period alias with the step
     length and skew acceptance); batch 8 runs them together. Times and tokens are summed."""
-    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": False} if k else None
     llm = LLM(model=model, max_model_len=512, max_num_seqs=max(batch, 8), speculative_config=spec)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.generate(PROMPTS[:batch], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm up

@@ -64,7 +64,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--speculative-config",
         type=json_object,
         default=None,
-        help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'',
+        help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\': the MTP head drafts up to 3 tokens '
+             'a step, as many as measure to pay for each request; "adaptive": false drafts 3 every step',
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)

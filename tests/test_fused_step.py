@@ -239,7 +239,7 @@ def test_engine_runs_the_fused_step_unless_enforce_eager(tmp_path) -> None:
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 90 + 2 for j in range(5 + 9 * i)]} for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = {}
-    for spec in (None, {"method": "mtp", "num_speculative_tokens": 2}):
+    for spec in (None, {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}):
         for eager in (True, False):
             llm = LLM(model=str(path), enforce_eager=eager, speculative_config=spec, max_num_batched_tokens=32,
                       max_model_len=256, kv_cache_memory=1 << 24)

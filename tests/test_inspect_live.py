@@ -39,7 +39,7 @@ def test_no_watcher_builds_nothing(path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 def test_steps_with_mtp_drafts(path: Path) -> None:
     llm = LLM(model=str(path), max_model_len=128, max_num_batched_tokens=32,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
     bus = StepEventBus(llm.engine)
     loop = _watch(bus)
     try:

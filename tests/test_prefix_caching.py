@@ -220,7 +220,7 @@ def test_speculative_decoding_same_outputs_and_mtp_next_token_rule(mtp_path: Pat
     right), and a block is reused only by a request with the same next token: two prompts equal for 192
     tokens that differ at token 192 share 128 tokens (the snapshot before the last shared block), not 192;
     the second snapshots 176, which the third then reuses."""
-    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
     g = torch.Generator().manual_seed(12)
     common = _tokens(192, g)
     prompts = [{"prompt_token_ids": common + [2 + i] + _tokens(30, g)} for i in range(3)]
@@ -255,7 +255,7 @@ def test_reused_blocks_hold_the_mtp_entries_an_uncached_run_computes(mtp_path: P
     """After a hit, every cached position of the trunk's attention layer and of the MTP layer holds what
     the uncached engine computed for the same request: in particular the MTP entry at the last reused
     position, made from the next token, which differs between the two prompts."""
-    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
     g = torch.Generator().manual_seed(14)
     common = _tokens(192, g)
     first, second = (common + [2 + i] + _tokens(20, g) for i in range(2))

@@ -19,15 +19,34 @@ from deltaserve.engine.config import EngineConfigError
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.engine.sampler import SequenceSamplingState
 from deltaserve.engine.scheduler import VERIFY
+from deltaserve.engine.spec_policy import EXPLORE_EVERY, DraftPolicy
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.loader import CheckpointError
 from tests.checkpoints import RATIOS_27B, random_hf_model, random_mtp_tensors, save_official_layout
+from tests.spec_costs import COMPUTE_BOUND, MEMORY_BOUND
 
 V = RATIOS_27B["vocab_size"]
 
 
-def spec(k: int) -> dict:
-    return {"method": "mtp", "num_speculative_tokens": k}
+def spec(k: int, adaptive: bool = False) -> dict:
+    """Fixed k unless adaptive: what a test checks must not depend on the step timings adaptive k reads."""
+    return {"method": "mtp", "num_speculative_tokens": k, "adaptive": adaptive}
+
+
+class NeverDrafts(DraftPolicy):
+    """Adaptive k that finds drafting never pays: every request postpones its MTP pass."""
+
+    def choose(self, rates: list[float], caps: list[int]) -> list[int]:
+        return [0] * len(caps)
+
+
+class EveryFourthStep(DraftPolicy):
+    """Drafts the most it may on every fourth step and nothing in between, so requests postpone their MTP
+    pass (Request.spec_backlog) and catch up later."""
+
+    def choose(self, rates: list[float], caps: list[int]) -> list[int]:
+        self.num_decisions += 1
+        return list(caps) if self.num_decisions % 4 == 0 else [0] * len(caps)
 
 
 def _agreeing_checkpoint(path: Path, damp: float) -> Path:
@@ -122,6 +141,39 @@ def test_greedy_speculation_is_token_for_token_plain_greedy(agreeable: Path, gre
     _all_free(llm.engine)
 
 
+@pytest.mark.parametrize("costs", [MEMORY_BOUND, COMPUTE_BOUND, None],
+                         ids=["memory-bound", "compute-bound", "measured"])
+def test_adaptive_speculation_is_token_for_token_plain_greedy(agreeable: Path, greedy_case, costs) -> None:
+    """Adaptive k (max 3) changes how many drafts each request verifies, never the output: with given costs
+    where drafting pays and where it does not, and with the costs this machine measures (whatever they are)."""
+    prompts, params, want, plain_outs = greedy_case
+    llm = LLM(model=str(agreeable), max_model_len=256, max_num_batched_tokens=24, max_num_seqs=16,
+              speculative_config=spec(3, adaptive=True))
+    policy = llm.engine.runner.spec.policy
+    assert policy.adaptive
+    if costs is not None:
+        policy.costs = costs
+    postponed = []
+    llm.engine.step_listeners.append(
+        lambda s: postponed.append(sum(r.spec_backlog is not None for r in llm.engine.requests.values())))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for i, (p, o) in enumerate(zip(params, outs, strict=True)):
+        if p.greedy:
+            assert o.outputs[0].token_ids == want[i], f"prompt {i} differs from plain greedy"
+            assert o.outputs[0].finish_reason == plain_outs[i].outputs[0].finish_reason
+        else:
+            assert len(o.outputs[0].token_ids) == p.max_tokens
+    stats = llm.engine.stats().spec
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    if costs is MEMORY_BOUND:  # every request drafts its cap nearly always: about 3 drafts per verify
+        assert stats.num_draft_tokens > 2 * stats.num_drafts > 0
+    if costs is COMPUTE_BOUND:  # drafts only on the periodic exploration steps
+        assert stats.num_drafts <= 2 * len(postponed) / EXPLORE_EVERY * len(prompts)
+        assert stats.num_draft_tokens < tokens / 10
+        assert max(postponed) > 0, "requests that draft nothing postpone their MTP pass"
+    _all_free(llm.engine)
+
+
 def _target_probs(model, sampler, prefixes: list[list[int]], prompt: list[int], params) -> torch.Tensor:
     """The exact distribution plain sampling draws the next token from, after each output prefix."""
     ids = torch.tensor([prompt + p for p in prefixes])
@@ -181,19 +233,25 @@ def test_sampled_speculation_follows_the_target_distribution(half_agreeable: Pat
         assert stat < limit, f"token {pos + 1}: chi-square {stat:.1f} >= {limit:.1f}"
 
 
-@pytest.mark.parametrize("damp", [0.3, 1.0])
-def test_mtp_cache_gives_the_from_scratch_drafts(tmp_path: Path, damp: float) -> None:
+@pytest.mark.parametrize("damp, postponing", [(0.3, False), (1.0, False), (0.3, True)])
+def test_mtp_cache_gives_the_from_scratch_drafts(tmp_path: Path, damp: float, postponing: bool) -> None:
     """After several verify steps (accepts and rejects), the next drafts' distributions equal an MTP
     computation over the whole sequence with no cache: entries 0..t from trunk hiddens and real tokens,
-    then the chain of draft entries fed their own hidden and token."""
+    then the chain of draft entries fed their own hidden and token. Postponing: requests draft only every
+    fourth step, postponing their MTP pass in between and catching up when they draft again."""
     path = _agreeing_checkpoint(tmp_path, damp)
     llm = LLM(model=str(path), max_model_len=256, max_num_batched_tokens=32, speculative_config=spec(3))
     engine = llm.engine
+    if postponing:
+        engine.runner.spec.policy = EveryFourthStep(3, adaptive=True)
     prompts = _prompts(8, seed=2)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True))
+    held = 0  # the most MTP entries a request had postponed
     for _ in range(20):
         engine.step()
+        held = max([held] + [len(r.spec_backlog[1]) for r in engine.requests.values() if r.spec_backlog])
+    assert (held >= 3) == postponing
     model = engine.model
     checked = 0
     for req in engine.requests.values():
@@ -213,6 +271,32 @@ def test_mtp_cache_gives_the_from_scratch_drafts(tmp_path: Path, damp: float) ->
         checked += 1
     assert checked >= 3
     assert 0 < engine.stats().spec.num_accepted_tokens
+
+
+def test_postponed_mtp_entries_still_fill_every_full_block(agreeable: Path) -> None:
+    """A request that drafts nothing postpones its MTP pass, but never past a KV block boundary: every
+    full block (which the prefix cache may hand to another request) holds the MTP K/V that an engine
+    running the pass every step writes."""
+    from tests.test_prefix_caching import _kv_rows
+
+    prompt = {"prompt_token_ids": _prompts(6, seed=7)[2]["prompt_token_ids"]}  # 17 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    rows, held = [], 0
+    for postponing in (False, True):
+        llm = LLM(model=str(agreeable), max_model_len=128, speculative_config=spec(2))
+        engine = llm.engine
+        if postponing:
+            engine.runner.spec.policy = NeverDrafts(2, adaptive=True)
+        engine.add_request("r", prompt, params)
+        req = engine.requests["r"]
+        while req.num_computed_tokens < 70:
+            engine.step()
+            held = max(held, len(req.spec_backlog[1]) if req.spec_backlog else 0)
+        rows.append(_kv_rows(engine, engine.model_config.num_hidden_layers, "r", 64))  # blocks 0..3
+        if postponing:
+            assert engine.stats().spec.num_drafts == 0
+    assert held >= 5, "the request postponed its MTP entries"
+    torch.testing.assert_close(rows[1], rows[0], rtol=1e-4, atol=1e-5)
 
 
 def test_no_leaks_after_abort_preemption_and_finish(agreeable: Path) -> None:
@@ -258,6 +342,7 @@ def test_checkpoint_without_mtp_is_a_clear_error(tmp_path: Path) -> None:
         ({"method": "mtp", "num_speculative_tokens": "2"}, "num_speculative_tokens"),
         ({"method": "mtp"}, "num_speculative_tokens"),
         ({"method": "mtp", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown keys"),
+        ({"method": "mtp", "num_speculative_tokens": 2, "adaptive": "yes"}, "adaptive must be true or false"),
         ("mtp", "must be a dict"),
     ],
 )
@@ -272,7 +357,7 @@ def test_cli_speculative_config_flag(capsys) -> None:
     args = build_parser().parse_args(
         ["generate", "--prompt", "x", "--speculative-config", '{"method":"mtp","num_speculative_tokens":3}']
     )
-    assert args.speculative_config == spec(3)
+    assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--prompt", "x", "--speculative-config", "{method: mtp}"])
     assert "not valid JSON" in capsys.readouterr().err

@@ -44,7 +44,7 @@ def llm():
 def llm_mtp():
     from deltaserve import LLM
 
-    return LLM(max_num_seqs=8, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    return LLM(max_num_seqs=8, speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
 
 
 def _kinds() -> list[StructuredOutputsParams | None]:

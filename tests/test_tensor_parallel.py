@@ -34,7 +34,7 @@ PROMPTS = [list(range(3, 26)), [5, 9, 2, 7, 7, 1, 4, 8, 3, 6, 11], [17, 3, 40]] 
 
 
 def make_engine(path: Path, tp: int, k: int = 0, eager: bool = False, kv: str = "auto") -> LLMEngine:
-    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": False} if k else None
     return LLMEngine(EngineConfig(
         model=str(path), tensor_parallel_size=tp, enforce_eager=eager, max_num_seqs=SEQS, max_model_len=MAX_LEN,
         num_kv_blocks=SEQS * (MAX_LEN // BLOCK), block_size=BLOCK, max_num_batched_tokens=16,

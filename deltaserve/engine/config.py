@@ -44,6 +44,9 @@ class EngineConfig:
     # Tokens between GDN snapshots of a long prompt (vLLM's name; a multiple of block_size). None: 32 blocks.
     mamba_block_size: int | None = None
     num_gdn_snapshots: int | None = None  # GDN snapshot pool size (default 4 * max_num_seqs)
+    # {"method": "mtp", "num_speculative_tokens": k, "adaptive": True}: MTP drafting of up to k tokens per
+    # step, as many as measure to pay per request (adaptive, the default) or always k. None: off (the
+    # default; docs/benchmarks.md, "adaptive k and the default", has the measurements behind that).
     speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
@@ -59,6 +62,13 @@ class EngineConfig:
         """k drafts per step with MTP speculation, 0 without."""
         spec = self.speculative_config
         return 0 if spec is None else int(spec["num_speculative_tokens"])
+
+    @property
+    def adaptive_speculation(self) -> bool:
+        """Whether each request drafts 0..k tokens per step as its measured acceptance and the measured
+        step costs make pay (deltaserve/engine/spec_policy.py), rather than always k."""
+        spec = self.speculative_config
+        return spec is not None and bool(spec.get("adaptive", True))
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -147,18 +157,20 @@ MAMBA_CACHE_MODES = ("none", "align", "all")
 SPEC_METHODS = ("mtp",)
 
 
+SPEC_KEYS = ("method", "num_speculative_tokens", "adaptive")
+
+
 def validate_speculative_config(spec: Any) -> None:
-    """{"method": "mtp", "num_speculative_tokens": k}: the model's own MTP head drafts k tokens per step."""
+    """{"method": "mtp", "num_speculative_tokens": k, "adaptive": true}: the model's own MTP head drafts up
+    to k tokens per step; with "adaptive" (the default) as many as pay for each request, else always k."""
     if not isinstance(spec, dict):
         raise EngineConfigError(
             f'speculative_config must be a dict like {{"method": "mtp", "num_speculative_tokens": 2}}, '
             f"got {type(spec).__name__} {spec!r}"
         )
-    unknown = sorted(set(spec) - {"method", "num_speculative_tokens"})
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
     if unknown:
-        raise EngineConfigError(
-            f"speculative_config has unknown keys {unknown}; accepted: method, num_speculative_tokens"
-        )
+        raise EngineConfigError(f"speculative_config has unknown keys {unknown}; accepted: {', '.join(SPEC_KEYS)}")
     method = spec.get("method")
     if method not in SPEC_METHODS:
         raise EngineConfigError(
@@ -169,3 +181,5 @@ def validate_speculative_config(spec: Any) -> None:
         raise EngineConfigError(
             f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}"
         )
+    if not isinstance(spec.get("adaptive", True), bool):
+        raise EngineConfigError(f"speculative_config.adaptive must be true or false, got {spec['adaptive']!r}")

@@ -27,6 +27,7 @@ from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_params_for_vocab
 from deltaserve.engine.scheduler import Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder
+from deltaserve.engine.spec_policy import DraftPolicy
 from deltaserve.engine.structured import GrammarCompiler
 from deltaserve.engine.threads import set_compute_threads
 from deltaserve.executor import make_executor, start_tensor_parallel
@@ -133,8 +134,11 @@ class LLMEngine:
         head = LogitsHead(self.executor.compute_logits, self.executor.greedy_tokens)
         spec = None
         self.spec_metrics: SpecDecodeMetrics | None = None
+        self._policy: DraftPolicy | None = None  # set with adaptive k, which the steps' costs feed
         if k:
-            spec = SpecDecoder(self.executor, self.cache, sampler, k, self.max_model_len, head)
+            policy = DraftPolicy(k, adaptive=config.adaptive_speculation)
+            self._policy = policy if policy.adaptive else None
+            spec = SpecDecoder(self.executor, self.cache, sampler, k, self.max_model_len, head, policy)
             self.spec_metrics = SpecDecodeMetrics(accepted_per_position=[0] * k)
         self.runner = ModelRunner(self.executor, self.cache_tensors, self.cache, sampler, head, spec)
         self.groups: dict[str, RequestGroup] = {}
@@ -272,6 +276,7 @@ class LLMEngine:
         needs them), or with finished_only only for requests that finished (as vLLM's FINAL_ONLY output
         kind, which LLM.generate uses): building the others' outputs copies every token list every step."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        started = time.process_time() if self._policy is not None else 0.0
         sched = self.scheduler.schedule()
         self.last_schedule = sched
         if sched.is_empty:
@@ -293,6 +298,11 @@ class LLMEngine:
                     self.requests.pop(req.request_id, None)
         for listener in self.step_listeners:
             listener(sched)
+        if self._policy is not None:
+            # Adaptive k weighs a step's rows against its CPU time, everything but the drafting it prices
+            # apart (scheduling and output handling too: they grow with the tokens a step emits).
+            spent = time.process_time() - started - self.runner.spec.draft_seconds
+            self._policy.record_step(sched.num_tokens, spent)
         return outputs
 
     @property

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from deltaserve.engine.spec_policy import AcceptanceEstimate
 from deltaserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeMetrics
 from deltaserve.sampling import SamplingParams
 
@@ -67,6 +68,10 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: list[Any] = field(default_factory=list)  # per draft: probs [V] or None
     spec_metrics: SpecDecodeMetrics | None = None
+    spec_acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # adaptive k's estimate
+    # Adaptive k: the trunk hidden rows [L, H] and next tokens of the last L computed positions, whose MTP
+    # entries are still to run (spec_decode.SpecDecoder.propose); None when the MTP cache is up to date.
+    spec_backlog: tuple[Any, list[int]] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -210,6 +210,7 @@ class Scheduler:
         self.cache.free(req.request_id)
         req.spec_token_ids.clear()  # drafts are proposed afresh once the request is recomputed
         req.spec_draft_probs.clear()
+        req.spec_backlog = None  # the recomputation runs the MTP pass over every position again
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1

@@ -7,7 +7,10 @@ at position t, i.e. after reading x_0..x_t):
 - The MTP entry for trunk position t reads (h_t, x_{t+1}), sits at rotary position t and keeps its K/V
   in the MTP layer's paged cache at position t (same block table as the trunk). Its output predicts x_{t+2}.
 - Invariant after every step: MTP entries 0 .. num_computed_tokens-1 are valid (made from trunk hiddens
-  and real tokens), exactly the positions whose trunk K/V and GDN state the cache holds.
+  and real tokens), exactly the positions whose trunk K/V and GDN state the cache holds; except that with
+  adaptive k a request drafting nothing may postpone the entries of its last L positions, all inside its
+  last, partly filled KV block (Request.spec_backlog holds their trunk hiddens and tokens), and runs them
+  in the MTP pass 1 of the step in which it drafts again or fills that block.
 - After a step in which positions [c, c+n) became valid (a prompt chunk: n = chunk; a decode: n = 1; a
   verify of 1+m tokens with a drafts accepted: n = 1+a), MTP pass 1 runs those n entries (tokens
   x_{c+1} .. x_{c+n}; the last is the token sampled this step, or the next prompt token mid-prefill),
@@ -26,6 +29,7 @@ at position t, i.e. after reading x_0..x_t):
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +39,7 @@ from deltaserve.cache.manager import CacheManager
 from deltaserve.engine.logits_head import LogitsHead
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampler import Sampler, SequenceSamplingState, _sample
+from deltaserve.engine.spec_policy import DraftPolicy
 from deltaserve.executor import Executor
 from deltaserve.model.context import ForwardContext
 
@@ -85,9 +90,10 @@ def _uniform(generator: torch.Generator | None) -> float:
 class SpecDecoder:
     def __init__(
         self, executor: Executor, manager: CacheManager, sampler: Sampler, num_speculative_tokens: int,
-        max_model_len: int, head: LogitsHead,
+        max_model_len: int, head: LogitsHead, policy: DraftPolicy | None = None,
     ) -> None:
-        """executor: draft passes (mtp_hidden) and the verified GDN state commit; head: its lm_head."""
+        """executor: draft passes (mtp_hidden) and the verified GDN state commit; head: its lm_head;
+        policy: how many drafts each request gets (default: always num_speculative_tokens)."""
         self.executor = executor
         self.mtp_hidden = executor.mtp_hidden
         self.manager = manager
@@ -95,6 +101,10 @@ class SpecDecoder:
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
         self.head = head
+        self.policy = policy if policy is not None else DraftPolicy(num_speculative_tokens, adaptive=False)
+        # CPU seconds of the last propose()'s drafting (adaptive k only): the engine prices the rest of a
+        # step apart, against its row count.
+        self.draft_seconds = 0.0
 
     # ---- verification -----------------------------------------------------------------------------------
     def verify(
@@ -142,6 +152,7 @@ class SpecDecoder:
                 n = req.params.logprobs or 0
                 logprobs = [_logprob_entry(raw_lp[r0 + i], t, n) for i, t in enumerate(tokens)]
             results.append(VerifyResult(tokens, logprobs, m, a))
+            self.policy.record_verify(req.spec_acceptance, m, a)
             r0 += m + 1
         self._commit_gdn_states(ctx, [r.num_accepted for r in results])
         return results
@@ -179,44 +190,77 @@ class SpecDecoder:
     def propose(
         self, hidden: torch.Tensor, ctx: ForwardContext, entries: Sequence[DraftEntry], make_context,
     ) -> dict[str, tuple[list[int], list]]:
-        """Runs MTP pass 1 over the positions that became valid this step (all of them, so the MTP cache
-        keeps up with the trunk), then k-1 draft passes for the requests that draft. Returns each drafting
-        request's drafts and the distributions they were drawn from (None for greedy ones).
-        make_context(query_lens, context_lens, request_ids) builds a paged ForwardContext."""
-        rows: list[int] = []
+        """Runs MTP pass 1 over the positions that became valid this step, then up to k-1 draft passes for
+        the requests that draft (as many as the policy gives each). Returns each drafting request's drafts
+        and the distributions they were drawn from (None for greedy ones). make_context(query_lens,
+        context_lens, request_ids) builds a paged ForwardContext.
+
+        A request that the adaptive policy gives no drafts skips pass 1: it keeps the step's trunk hidden
+        rows and tokens (Request.spec_backlog) and runs them in the pass of a later step, when it drafts
+        again or when its trunk fills a KV block (so every full block, which the prefix cache may hand to
+        another request, holds its MTP K/V). Where speculation does not pay, that leaves one MTP pass per
+        block instead of one per step."""
+        self.draft_seconds = 0.0
+        candidates = [e for e in entries if e.emitted is not None]
+        chosen = self.policy.choose(
+            [self.policy.rate(e.request.spec_acceptance) for e in candidates],
+            [self._num_drafts(e) for e in candidates],
+        )
+        budget = {id(e): k for e, k in zip(candidates, chosen, strict=True)}
+        if self.policy.adaptive:
+            for e, k in zip(candidates, chosen, strict=True):
+                if k == 0:
+                    self.policy.record_no_drafts(e.request.spec_acceptance)
+        bs = self.manager.block_size
+        pieces: list[torch.Tensor] = []
         tokens: list[int] = []
         qlens, clens, rids = [], [], []
-        for e in entries:
-            start = ctx.query_start_loc[e.seq]
-            rows.extend(range(start, start + e.num_valid))
-            tokens.extend(e.tokens)
-            qlens.append(e.num_valid)
-            clens.append(e.context_len)
-            rids.append(e.request.request_id)
-        if not rows:
-            return {}
-        mctx = make_context(qlens, clens, rids)
-        h = self.mtp_hidden(torch.tensor(tokens, dtype=torch.long), hidden[rows], mctx)  # [N, H]
-
         drafters: list[DraftEntry] = []
         last_rows: list[int] = []
         budgets: list[int] = []
-        end = 0
         for e in entries:
-            end += e.num_valid
-            if e.emitted is None:
+            start = ctx.query_start_loc[e.seq]
+            mine = hidden[start:start + e.num_valid]
+            req = e.request
+            held, held_tokens = req.spec_backlog if req.spec_backlog is not None else (None, [])
+            mtp_valid = e.context_len - len(held_tokens)
+            k = budget.get(id(e), 0)
+            filled_block = mtp_valid < e.num_valid_after // bs * bs
+            if self.policy.adaptive and e.emitted is not None and k == 0 and not filled_block:
+                # No drafts and no block filled: postpone this step's MTP entries.
+                mine = mine.clone()  # the step's hidden goes away with the step
+                req.spec_backlog = (mine if held is None else torch.cat([held, mine]), held_tokens + e.tokens)
                 continue
-            k = self._num_drafts(e)
+            if held is not None:
+                pieces.append(held)
+                req.spec_backlog = None
+            pieces.append(mine)
+            tokens.extend(held_tokens)
+            tokens.extend(e.tokens)
+            qlens.append(len(held_tokens) + e.num_valid)
+            clens.append(mtp_valid)
+            rids.append(req.request_id)
             if k > 0:
                 drafters.append(e)
-                last_rows.append(end - 1)
+                last_rows.append(len(tokens) - 1)
                 budgets.append(k)
+        if not tokens:
+            return {}
+        # Adaptive k prices drafting: pass 1 (which a request that does not draft may postpone) and the
+        # draft passes, in CPU seconds (other jobs on the machine do not stretch them as they do wall time).
+        timing = self.policy.adaptive and bool(drafters)
+        pass1_started = time.process_time() if timing else 0.0
+        mctx = make_context(qlens, clens, rids)
+        h_in = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        h = self.mtp_hidden(torch.tensor(tokens, dtype=torch.long), h_in, mctx)  # [N, H]
         if not drafters:
             return {}
+        pass1 = time.process_time() - pass1_started if timing else 0.0
         h = h[last_rows]
         drafts: dict[str, tuple[list[int], list]] = {e.request.request_id: ([], []) for e in drafters}
         active = list(range(len(drafters)))  # drafters still drafting; h has one row per entry
         for j in range(self.k):
+            started = time.process_time() if timing else 0.0
             if j > 0:
                 keep = [p for p, i in enumerate(active) if budgets[i] > j]
                 if not keep:
@@ -230,6 +274,10 @@ class SpecDecoder:
                 prev = torch.tensor([drafts[e.request.request_id][0][-1] for e in ents], dtype=torch.long)
                 h = self.mtp_hidden(prev, h[keep], dctx, step=j)
             self._sample_drafts([drafters[i] for i in active], h, drafts)
+            if timing:
+                seconds = time.process_time() - started + (pass1 if j == 0 else 0.0)
+                self.draft_seconds += seconds
+                self.policy.record_draft(j + 1, len(active), seconds)
         return drafts
 
     def _num_drafts(self, e: DraftEntry) -> int:

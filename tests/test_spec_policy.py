@@ -1,0 +1,114 @@
+"""Adaptive k's choices from given acceptance rates and step costs (deltaserve/engine/spec_policy.py): all
+drafts where extra rows are nearly free, none where every row costs a decode row, more drafts for the
+requests more likely to accept them, and cost tables that try what they have not measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltaserve.engine.spec_policy import (
+    EXPLORE_EVERY,
+    MARGIN,
+    AcceptanceEstimate,
+    CostTable,
+    DraftPolicy,
+    MeasuredCosts,
+)
+from tests.spec_costs import COMPUTE_BOUND, MEMORY_BOUND, FixedCosts
+
+
+def policy(costs, max_k: int = 3) -> DraftPolicy:
+    return DraftPolicy(max_k, adaptive=True, costs=costs)
+
+
+def test_memory_bound_steps_draft_the_most_and_compute_bound_steps_none() -> None:
+    assert policy(MEMORY_BOUND).choose([0.7] * 8, [3] * 8) == [3] * 8
+    assert policy(COMPUTE_BOUND).choose([0.7] * 8, [3] * 8) == [0] * 8
+    # The caps (max_tokens, max_model_len, reserved blocks) bound what is chosen.
+    assert policy(MEMORY_BOUND).choose([0.7, 0.7], [1, 0]) == [1, 0]
+
+
+def test_likelier_requests_get_more_drafts() -> None:
+    # One step of 4 rows costs 1 + 0.25 per extra row: a draft pays when its acceptance odds beat that.
+    costs = FixedCosts(fixed=1.0, per_row=0.25, per_draft_row=0.0)
+    ks = policy(costs).choose([0.95, 0.75, 0.1, 0.05], [3] * 4)
+    assert ks == [3, 1, 0, 0]
+
+
+def test_the_best_k_follows_the_acceptance_and_the_cost_of_a_row() -> None:
+    # At batch 1, k drafts emit 1 + a + ... + a^k tokens for 1 + k rows: the policy picks the k that
+    # maximises tokens per second, if that beats plain decoding by the margin.
+    for a in (0.3, 0.6, 0.9):
+        for per_row in (0.05, 0.3, 0.8):
+            costs = FixedCosts(fixed=1.0 - per_row, per_row=per_row, per_draft_row=0.05)
+            speed = [sum(a**j for j in range(k + 1)) / (1.0 + per_row * k + 0.05 * k) for k in range(4)]
+            best = max(range(4), key=speed.__getitem__)
+            want = best if speed[best] > MARGIN * speed[0] else 0
+            assert policy(costs).choose([a], [3]) == [want], (a, per_row)
+    assert policy(FixedCosts(fixed=0.95, per_row=0.05, per_draft_row=0.0)).choose([0.9], [3]) == [3]
+
+
+def test_fixed_k_always_drafts_the_caps() -> None:
+    fixed = DraftPolicy(3, adaptive=False, costs=COMPUTE_BOUND)
+    assert fixed.choose([0.0, 0.9], [3, 2]) == [3, 2]
+
+
+def test_unmeasured_costs_measure_plain_steps_first_then_try_drafting() -> None:
+    p = policy(MeasuredCosts())
+    assert p.choose([0.5], [3]) == [0]  # plain steps of this batch are the yardstick
+    p.record_step(1, 0.010)
+    p.record_step(1, 0.010)
+    assert p.choose([0.5], [3]) == [3]  # a verify never measured is assumed as cheap as the nearest
+    p.record_step(4, 0.040)
+    p.record_step(4, 0.040)
+    for level in (1, 2, 3):
+        p.record_draft(level, 1, 0.001)
+        p.record_draft(level, 1, 0.001)
+    assert p.choose([0.5], [3]) == [0]  # measured: 4 rows cost 4 decode rows
+
+
+def test_exploration_nudges_every_so_many_decisions() -> None:
+    p = policy(COMPUTE_BOUND)
+    picks = [p.choose([0.7], [3]) for _ in range(2 * EXPLORE_EVERY)]
+    assert picks.count([1]) == 1 and picks.count([0]) == 2 * EXPLORE_EVERY - 1
+
+
+def test_cost_table_trusts_repeated_measurements_and_takes_the_lower() -> None:
+    t = CostTable()
+    assert t(3) is None
+    t.record(1, 1.0)
+    t.record(1, 1.0)
+    t.record(8, 50.0)  # once: maybe a first call's one-off work
+    assert t(8) == 1.0 and not t.trusted(8)
+    t.record(8, 2.0)  # the lower of two measurements, at once
+    assert t.trusted(8) and t(8) == 2.0
+    assert t(4) == pytest.approx(1.0 + 3 / 7)  # linear between measured counts
+    assert t(10) == pytest.approx(2.0 + 2 / 7)  # beyond them on the last segment's slope
+    t.record(9, 1.5)
+    t.record(9, 1.5)
+    assert t(20) == 1.5  # but never falling
+    t.record(8, 12.0)  # a higher one rises by a tenth of the gap (other jobs only ever add time)
+    assert t(8) == pytest.approx(3.0)
+
+
+def test_acceptance_estimate_counts_the_examined_drafts() -> None:
+    e = AcceptanceEstimate()
+    e.update(num_drafted=3, num_accepted=1, decay=1.0)  # the second is rejected, the third never examined
+    e.update(num_drafted=3, num_accepted=3, decay=1.0)
+    assert (e.accepted, e.examined) == (4, 5)
+    assert e.rate(prior=0.5, weight=0.0) == pytest.approx(0.8)
+    assert AcceptanceEstimate().rate(prior=0.3) == pytest.approx(0.3)  # nothing of its own: the prior
+
+
+def test_a_request_that_stopped_drafting_drifts_back_to_the_engine_rate() -> None:
+    p = policy(MEMORY_BOUND)
+    for _ in range(20):
+        p.record_verify(AcceptanceEstimate(), 3, 3)  # the engine's other requests accept everything
+    mine = AcceptanceEstimate()
+    for _ in range(10):
+        p.record_verify(mine, 3, 0)
+    low = p.rate(mine)
+    assert low < 0.3
+    for _ in range(40):
+        p.record_no_drafts(mine)
+    assert p.rate(mine) > 2 * low
