@@ -1,7 +1,8 @@
 """Load a checkpoint directory (config.json + safetensors) into Qwen3_5ForCausalLM.
 
 Accepted layouts: the official one (`model.language_model.*`, `model.visual.*`, `lm_head.weight`, `mtp.*`)
-and the `*ForCausalLM` one (`model.*`). `model.visual.*` is skipped (no vision tower yet). FP8
+and the `*ForCausalLM` one (`model.*`). `model.visual.*` fills the vision tower (model/vision.py, the same
+names under `visual.*`) when config.json has a vision_config; without one it is skipped. FP8
 block-quantized weights (`quantization_config.quant_method == "fp8"`) are dequantized on load with their
 `weight_scale_inv` (one scale per block). A missing, unexpected or mis-shaped tensor is an error naming it.
 
@@ -80,10 +81,10 @@ def _open(file: Path):
         raise CheckpointError(f"checkpoint file {file} is not a readable safetensors file: {e}") from e
 
 
-def map_name(name: str) -> str | None:
+def map_name(name: str, with_vision: bool = False) -> str | None:
     """Checkpoint tensor name -> our parameter name (None: skipped on purpose)."""
     if name.startswith("model.visual."):
-        return None
+        return "visual." + name[len("model.visual."):] if with_vision else None
     if name.startswith("model.language_model."):
         return "model." + name[len("model.language_model."):]
     return name
@@ -130,10 +131,13 @@ def load_model(
     if with_mtp and not has_mtp:
         raise CheckpointError(f"{path} has no mtp.* tensors, so it cannot draft with its MTP head")
     load_mtp = has_mtp if with_mtp is None else with_mtp
-    if cfg.vision is not None and any(n.startswith("model.visual.") for n in names):
-        log.info("skipping the vision tower (model.visual.*): deltaserve serves text only for now")
+    has_visual = any(n.startswith("model.visual.") for n in names)
+    with_vision = cfg.vision is not None and has_visual and shard.size == 1
+    if has_visual and not with_vision:
+        why = "config.json has no vision_config" if cfg.vision is None else "tensor parallelism runs text only"
+        log.info("skipping the vision tower (model.visual.*): %s", why)
 
-    model = Qwen3_5ForCausalLM(cfg, with_mtp=load_mtp, shard=shard)
+    model = Qwen3_5ForCausalLM(cfg, with_mtp=load_mtp, shard=shard, with_vision=with_vision)
     params = dict(model.named_parameters(remove_duplicate=False))
     quant = cfg.quantization_config or {}
     fp8 = quant.get("quant_method") == "fp8"
@@ -147,7 +151,7 @@ def load_model(
             continue
         if name.startswith("mtp.") and not load_mtp:
             continue
-        target = map_name(name)
+        target = map_name(name, with_vision)
         if target is None:
             continue
         if target == "lm_head.weight" and cfg.tie_word_embeddings:
