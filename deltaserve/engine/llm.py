@@ -41,6 +41,7 @@ class LLM:
         enforce_eager: bool = False,
         num_threads: int | None = None,
         generation_config: str = "auto",
+        limit_mm_per_prompt: dict[str, int] | None = None,
     ) -> None:
         self.config = EngineConfig(
             model=None if model is None else str(model),
@@ -61,6 +62,7 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             enforce_eager=enforce_eager,
             num_threads=num_threads,
+            limit_mm_per_prompt=limit_mm_per_prompt,
         )
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
@@ -80,7 +82,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, {"prompt_token_ids": [...]} or a list of those."""
+        """prompts: a string, a list of strings, {"prompt_token_ids": [...]} or a list of those; a dict may
+        carry "multi_modal_data": {"image": PIL image or list} with one <|image_pad|> per image in the prompt."""
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):

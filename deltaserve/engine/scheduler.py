@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deltaserve.cache.manager import CacheManager
+from deltaserve.engine.encoder_cache import EncoderCache
 from deltaserve.engine.output_processor import OutputProcessor
 from deltaserve.engine.request import Request, RequestStatus
 
@@ -76,14 +77,17 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, output: OutputProcessor,
-        num_lookahead_tokens: int = 0,
+        num_lookahead_tokens: int = 0, encoder_cache: EncoderCache | None = None,
     ) -> None:
-        """output: appends tokens and checks stops; num_lookahead_tokens: k with speculation, else 0."""
+        """output: appends tokens and checks stops; num_lookahead_tokens: k with speculation, else 0;
+        encoder_cache: the vision tower's outputs, freed here as requests pass their images, are preempted
+        or finish."""
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.output = output
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.encoder_cache = encoder_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the newest is preempted first
         self.num_preemptions = 0
@@ -172,6 +176,8 @@ class Scheduler:
                 req.num_computed_tokens += s.num_tokens
                 if s.kind != DECODE:
                     self.prompt_tokens += s.num_tokens
+                    if self.encoder_cache is not None:
+                        self.encoder_cache.release_done(req.request_id, req.num_computed_tokens)
             if speculating:
                 req.spec_token_ids, req.spec_draft_probs = out.drafts.get(req.request_id, ([], []))
         # Prefix caching: snapshots and newly full blocks, before a finishing request frees its blocks.
@@ -208,6 +214,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.cache.free(req.request_id)
+        if self.encoder_cache is not None:
+            self.encoder_cache.drop_outputs(req.request_id)
         req.spec_token_ids.clear()  # drafts are proposed afresh once the request is recomputed
         req.spec_draft_probs.clear()
         req.num_computed_tokens = 0
@@ -225,3 +233,5 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.cache.free(req.request_id)
+        if self.encoder_cache is not None:
+            self.encoder_cache.remove(req.request_id)
