@@ -246,6 +246,9 @@ class LLMEngine:
         images = list(images) if isinstance(images, list | tuple) else [images]
         if not images:
             return ids, None
+        if self.config.tensor_parallel_size > 1 and self.model_config.vision is not None:
+            raise MultiModalError("images do not run under tensor parallelism yet (the vision tower is not "
+                                  "sharded); serve this model with tensor_parallel_size=1 to send images")
         limit = (self.config.limit_mm_per_prompt or {}).get("image")
         vision = self.model_config.vision if self.encoder_cache is not None else None
         return build_multimodal_prompt(ids, images, vision, self.image_processor, limit)

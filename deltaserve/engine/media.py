@@ -47,10 +47,10 @@ def load_image(url: Any, where: str, options: MediaOptions) -> Any:
         data = _local_file(url, where, options)
     else:
         raise MediaError(f"{where}: image_url scheme {scheme or url[:20]!r} is not supported; use a data:, "
-                       "http(s): or (with --allowed-local-media-path) file: URL")
+                         "http(s): or (with --allowed-local-media-path) file: URL")
     if len(data) > options.max_image_bytes:
         raise MediaError(f"{where}: the image is {len(data)} bytes, more than the limit of "
-                       f"{options.max_image_bytes}")
+                         f"{options.max_image_bytes}")
     return _decode(data, where)
 
 
@@ -75,7 +75,7 @@ def _fetch(url: str, where: str, options: MediaOptions) -> bytes:
     except (urllib.error.URLError, TimeoutError, OSError) as e:
         reason = getattr(e, "reason", e)
         raise MediaError(f"{where}: fetching the image failed ({reason}) from {url} within "
-                       f"{options.fetch_timeout_s:g} s") from e
+                         f"{options.fetch_timeout_s:g} s") from e
     return data
 
 
@@ -83,7 +83,7 @@ def _local_file(url: str, where: str, options: MediaOptions) -> bytes:
     root = options.allowed_local_media_path
     if root is None:
         raise MediaError(f"{where}: file: URLs are refused; start the server with --allowed-local-media-path "
-                       "to allow files under a folder")
+                         "to allow files under a folder")
     path = Path(unquote(urlparse(url).path)).resolve()
     if not path.is_relative_to(root.resolve()):
         raise MediaError(f"{where}: {path} is not under the allowed local media path {root}")
@@ -103,7 +103,7 @@ def _decode(data: bytes, where: str) -> Any:
             width, height = probe.size
             if width * height > MAX_IMAGE_PIXELS:
                 raise MediaError(f"{where}: the image is {width}x{height} pixels, more than the limit of "
-                               f"{MAX_IMAGE_PIXELS}")
+                                 f"{MAX_IMAGE_PIXELS}")
             image = probe.copy()  # decodes it (a truncated file fails here)
     except MediaError:
         raise

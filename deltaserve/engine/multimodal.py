@@ -43,14 +43,15 @@ def build_multimodal_prompt(
     ids: list[int], images: list[Any], vision: VisionConfig | None, processor: ImageProcessor | None,
     limit: int | None = None,
 ) -> tuple[list[int], MultiModalPrompt]:
-    """ids with one <|image_pad|> per image (or an already expanded run of the right length), in order."""
+    """ids with one <|image_pad|> per image (or an already expanded run of the right length), in order;
+    images are PIL images or already processed ones (the server processes them off the engine's thread)."""
     if vision is None or processor is None:
         raise MultiModalError("this model has no vision tower (no vision_config / model.visual.* tensors), "
                               "so it cannot take images")
     if limit is not None and len(images) > limit:
         raise MultiModalError(f"the prompt has {len(images)} images, more than the limit of {limit} per prompt "
                               "(--limit-mm-per-prompt)")
-    processed: list[ProcessedImage] = [processor(image) for image in images]
+    processed = [im if isinstance(im, ProcessedImage) else processor(im) for im in images]
     pad = vision.image_token_id
     runs = _runs(ids, pad)
     if len(runs) != len(processed):

@@ -12,6 +12,7 @@ from typing import Any
 
 from deltaserve.engine.async_engine import AsyncEngine, RequestStream
 from deltaserve.engine.detokenizer import stop_holdback
+from deltaserve.engine.image_processor import ImageError
 from deltaserve.engine.media import MediaError, MediaOptions, load_image
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling import SamplingParams
@@ -92,17 +93,24 @@ def _images(engine: AsyncEngine, req: ChatCompletionRequest, media: MediaOptions
     urls = image_urls(req.messages)
     if not urls:
         return []
-    if engine.engine.encoder_cache is None:  # before any fetch: the model could not use them anyway
+    core = engine.engine
+    if core.encoder_cache is None and core.config.tensor_parallel_size > 1 and core.model_config.vision is not None:
+        raise APIError(400, "images do not run under tensor parallelism yet (the vision tower is not sharded)",
+                       param="messages")
+    if core.encoder_cache is None:  # before any fetch: the model could not use them anyway
         raise APIError(400, "this model has no vision tower (its checkpoint has no model.visual.* tensors or no "
                        "vision_config), so it cannot take image_url parts", param="messages")
-    limit = (engine.engine.config.limit_mm_per_prompt or {}).get("image")
+    limit = (core.config.limit_mm_per_prompt or {}).get("image")
     if limit is not None and len(urls) > limit:
         raise APIError(400, f"the messages have {len(urls)} images, more than the limit of {limit} per prompt "
                        "(--limit-mm-per-prompt)", param="messages")
-    try:
-        return [load_image(url, where, media) for where, url in urls]
-    except MediaError as e:
-        raise APIError(400, str(e), param="messages") from e
+    images = []
+    for where, url in urls:
+        try:  # resized and cut into patches here, off the engine's thread
+            images.append(core.image_processor(load_image(url, where, media)))
+        except (MediaError, ImageError) as e:
+            raise APIError(400, f"{e}" if isinstance(e, MediaError) else f"{where}: {e}", param="messages") from e
+    return images
 
 
 def _usage(out: RequestOutput) -> UsageInfo:
