@@ -30,8 +30,9 @@ def picture(width: int, height: int, seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-# Two pictures of different sizes: 70x40 -> grid 6x8 (3x4 merged), 30x90 -> grid 12x4 (6x2 merged, odd width)
-PICTURES = [picture(70, 40, 0), picture(30, 90, 1)]
+# Two pictures of different sizes and odd merged grids: 83x45 -> 80x48 pixels, patch grid 6x10, merged 3x5
+# (15 tokens); 110x17 -> 112x16, patch grid 2x14, merged 1x7 (7 tokens).
+PICTURES = [picture(83, 45, 0), picture(110, 17, 1)]
 # An image mid-conversation: text, image, text, image, text.
 PROMPT = [10, 11, *IMAGE, 12, 13, 14, *IMAGE, 15, 16]
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -124,6 +125,28 @@ def test_chunked_prefill_through_images_encodes_each_image_once(ckpt, alone):
     assert run(llm, [cases["two"]]) == [tokens["two"]]
     cache = llm.engine.encoder_cache
     assert cache.num_encoded == 2 and not cache.outputs and not cache.prompts
+
+
+def test_the_encoder_budget_cuts_a_chunk_before_an_image_it_has_no_room_for(ckpt, alone):
+    cases, tokens = alone
+    # 7 and 15 merged tokens; the first 16-token chunk reaches both, but the encoder budget (the token budget,
+    # 16) holds one: the chunk ends before the second, which the next step encodes.
+    prompt = [*IMAGE, *IMAGE, 30, 31]
+    pictures = [PICTURES[1], PICTURES[0]]
+    ref = run(LLM(str(ckpt), enable_prefix_caching=False), [(prompt, pictures)])
+    llm = LLM(str(ckpt), max_num_batched_tokens=16, enable_prefix_caching=False)
+    engine = llm.engine
+    engine.add_request("b", {"prompt_token_ids": prompt, "multi_modal_data": {"image": pictures}}, GREEDY)
+    per_step, chunks, out = [], [], []
+    while engine.has_unfinished_requests():
+        before = engine.encoder_cache.num_encoded_tokens
+        for o in engine.step():
+            out = o.outputs[0].token_ids
+        per_step.append(engine.encoder_cache.num_encoded_tokens - before)
+        chunks.append(engine.last_schedule.num_tokens)
+    # [0, 10): up to the second image; [10, 26): it and the next token; [26, 28): the prompt's end; decodes.
+    assert chunks[:3] == [10, 16, 2] and per_step[:3] == [7, 15, 0]
+    assert out == ref[0]
 
 
 def test_mixed_batches_and_preemption_give_each_requests_own_tokens(ckpt, alone):

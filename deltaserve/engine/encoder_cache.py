@@ -21,6 +21,7 @@ class EncoderCache:
         self.prompts: dict[str, MultiModalPrompt] = {}  # request id -> its images and mRoPE positions
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}  # (request id, image index) -> [n, H]
         self.num_encoded = 0  # images run through the tower, all steps
+        self.num_encoded_tokens = 0  # their merged tokens
 
     def add(self, request_id: str, prompt: MultiModalPrompt) -> None:
         self.prompts[request_id] = prompt
@@ -43,6 +44,23 @@ class EncoderCache:
         for i, image in enumerate(prompt.images):
             if image.end <= num_computed_tokens:
                 self.outputs.pop((request_id, i), None)
+
+    def clip_to_budget(self, request_id: str, start: int, n: int, budget: int, fresh: bool) -> tuple[int, int]:
+        """The scheduler's encoder budget: a chunk [start, start+n) must encode every image it reaches that
+        is not encoded yet, whole. Returns the chunk length that stays within `budget` merged tokens (it ends
+        before the first image that does not fit) and what it spends. `fresh`: nothing was spent this step,
+        so an image larger than the whole budget still runs (alone), or the request could never progress."""
+        prompt = self.prompts.get(request_id)
+        if prompt is None:
+            return n, 0
+        cost = 0
+        for i, image in enumerate(prompt.images):
+            if image.end <= start or image.offset >= start + n or (request_id, i) in self.outputs:
+                continue
+            if cost + image.num_tokens > budget and not (fresh and cost == 0):
+                return max(image.offset - start, 0), cost
+            cost += image.num_tokens
+        return n, cost
 
     @property
     def num_bytes(self) -> int:
@@ -72,6 +90,7 @@ class EncoderCache:
             for key, part in zip(keys, merged.split([todo[k].num_tokens for k in keys]), strict=True):
                 self.outputs[key] = part
             self.num_encoded += len(keys)
+            self.num_encoded_tokens += merged.shape[0]
         rows, embeds = [], []
         for rid, i, image, lo, hi, first_row in hits:
             embeds.append(self.outputs[(rid, i)][lo - image.offset : hi - image.offset])
