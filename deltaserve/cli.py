@@ -72,6 +72,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, dest="num_threads",
                    help="compute threads (default: $OMP_NUM_THREADS, else one per physical core)")
     p.add_argument(
+        "--limit-mm-per-prompt", type=json_object, default=None,
+        help='most images one prompt may carry, as JSON, e.g. \'{"image": 2}\' (default: no limit)',
+    )
+    p.add_argument(
         "--enforce-eager", action="store_true",
         help="run every step through the Python model op by op instead of the fused C++ step",
     )
@@ -99,6 +103,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
         num_threads=args.num_threads,
     )
 

@@ -79,6 +79,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM / SIGINT, seconds running requests may finish before they are aborted",
     )
     p.add_argument(
+        "--allowed-local-media-path", default=None,
+        help="let image_url parts name file: URLs below this folder (default: no local files)",
+    )
+    p.add_argument("--image-fetch-timeout", type=float, default=5.0,
+                   help="seconds an http(s) image_url may take to fetch (default 5)")
+    p.add_argument("--max-image-bytes", type=_positive, default=20 * 1024 * 1024,
+                   help="larger images (fetched, decoded from data: URLs or read from files) get 400 (default 20 MiB)")
+    p.add_argument(
         "--skip-tokenizer-init",
         action="store_true",
         help="serve a checkpoint without tokenizer.json: prompts as token ids, outputs as token_ids (no chat)",

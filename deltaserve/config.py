@@ -82,6 +82,9 @@ def resolve_architecture(architectures: list[str], model_type: str) -> Architect
 
 @dataclass(slots=True)
 class VisionConfig:
+    """The vision tower of a `*ForConditionalGeneration` checkpoint (config.json's `vision_config`), with the
+    wrapper's special token ids (`image_token_id`, ... sit beside `vision_config` in config.json)."""
+
     depth: int
     hidden_size: int
     num_heads: int
@@ -92,10 +95,25 @@ class VisionConfig:
     out_hidden_size: int
     num_position_embeddings: int
     in_channels: int = 3
+    hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = 10_000.0
+    image_token_id: int = 248056
+    video_token_id: int = 248057
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> VisionConfig:
-        return cls(
+    def from_dict(cls, d: dict[str, Any], wrapper: dict[str, Any] | None = None) -> VisionConfig:
+        wrapper = wrapper or {}
+        # Qwen3-VL's deepstack (visual features added to early decoder layers) is not part of Qwen3.5, whose
+        # transformers model deletes it; a config that asks for it needs a model deltaserve does not build.
+        if d.get("deepstack_visual_indexes"):
+            raise UnsupportedFeatureError(
+                f"vision_config.deepstack_visual_indexes {d['deepstack_visual_indexes']} asks for Qwen3-VL's "
+                "deepstack mergers, which Qwen3.5 does not have and deltaserve does not run; accepted: [] or absent"
+            )
+        rope = dict(d.get("rope_parameters") or {})
+        cfg = cls(
             depth=int(d.get("depth", 27)),
             hidden_size=int(d.get("hidden_size", 1152)),
             num_heads=int(d.get("num_heads", 16)),
@@ -106,7 +124,39 @@ class VisionConfig:
             out_hidden_size=int(d.get("out_hidden_size", 3584)),
             num_position_embeddings=int(d.get("num_position_embeddings", 2304)),
             in_channels=int(d.get("in_channels", 3)),
+            hidden_act=str(d.get("hidden_act", "gelu_pytorch_tanh")),
+            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10_000.0))),
+            **{k: int(wrapper[k]) for k in VISION_TOKEN_FIELDS if k in wrapper},
         )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.hidden_act not in VISION_ACTIVATIONS:
+            raise ConfigError(
+                f"vision_config.hidden_act {self.hidden_act!r} is not supported; accepted: "
+                f"{', '.join(VISION_ACTIVATIONS)}"
+            )
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise ConfigError(
+                f"vision_config.hidden_size {self.hidden_size} must split into num_heads {self.num_heads} heads "
+                "whose size is a multiple of 4 (the 2-D rotary rotates a quarter of each head per axis)"
+            )
+        side = int(round(self.num_position_embeddings**0.5))
+        if side * side != self.num_position_embeddings:
+            raise ConfigError(
+                f"vision_config.num_position_embeddings {self.num_position_embeddings} must be a square "
+                "(the learned position grid is side x side)"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values in one flattened patch: channels x temporal patch x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     def num_parameters(self) -> int:
         h, i, p = self.hidden_size, self.intermediate_size, self.patch_size
@@ -115,6 +165,10 @@ class VisionConfig:
         merged = h * self.spatial_merge_size**2
         merger = 2 * h + merged * merged + merged + merged * self.out_hidden_size + self.out_hidden_size
         return patch_embed + self.num_position_embeddings * h + self.depth * block + merger
+
+
+VISION_TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "silu", "quick_gelu")
 
 
 @dataclass(slots=True)
@@ -293,7 +347,7 @@ class ModelConfig:
             mamba_ssm_dtype=str(text.get("mamba_ssm_dtype", "float32")),
             **moe,
             quantization_config=text.get("quantization_config"),
-            vision=VisionConfig.from_dict(data["vision_config"]) if data.get("vision_config") else None,
+            vision=VisionConfig.from_dict(data["vision_config"], data) if data.get("vision_config") else None,
             architectures=list(data.get("architectures") or []),
             architecture=architecture,
         )

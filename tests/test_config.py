@@ -19,7 +19,7 @@ def test_text_and_wrapper_configs_parse_alike():
     text = ModelConfig.from_dict(TEXT)
     wrapped = ModelConfig.from_dict(
         {"model_type": "qwen3_5", "text_config": {**TEXT, "model_type": "qwen3_5_text"},
-         "vision_config": {"depth": 2, "hidden_size": 16}, "tie_word_embeddings": True}
+         "vision_config": {"depth": 2, "hidden_size": 16, "num_heads": 2}, "tie_word_embeddings": True}
     )
     assert text.layer_types == wrapped.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     assert wrapped.tie_word_embeddings and wrapped.vision is not None and wrapped.vision.depth == 2

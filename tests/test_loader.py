@@ -51,15 +51,22 @@ def test_sharded_index_loads_like_single_file(official, tmp_path):
     assert torch.equal(logits(load_model(tmp_path), ids), logits(load_model(path), ids))
 
 
-def test_vision_tensors_are_skipped_with_a_log_line(official, tmp_path, caplog):
+def test_vision_tensors_without_vision_config_are_skipped_with_a_log_line(official, tmp_path, caplog):
     _, path = official
     dst = copy_with(tmp_path, path, lambda t: t.update({"model.visual.blocks.0.attn.qkv.weight": torch.zeros(3, 3)}))
-    config = json.loads((dst / "config.json").read_text())
-    config["vision_config"] = {"depth": 1, "hidden_size": 3}
-    (dst / "config.json").write_text(json.dumps(config))
     with caplog.at_level("INFO"):
+        assert load_model(dst).visual is None
+    assert "vision tower" in caplog.text and "no vision_config" in caplog.text
+
+
+def test_an_incomplete_vision_tower_names_what_is_missing(official, tmp_path):
+    _, path = official
+    dst = copy_with(tmp_path, path, lambda t: t.update({"model.visual.blocks.0.attn.qkv.weight": torch.zeros(6, 2)}))
+    config = json.loads((dst / "config.json").read_text())
+    config["vision_config"] = {"depth": 1, "hidden_size": 2 * 4, "num_heads": 2, "out_hidden_size": TINY["hidden_size"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\): visual\."):
         load_model(dst)
-    assert "vision tower" in caplog.text
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

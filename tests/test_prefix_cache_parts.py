@@ -3,7 +3,7 @@ LRU of freed cached blocks, and the GDN snapshot pool."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ class Seq:
     cache_salt: str | None = None
     request_id: str = "r"
     num_computed_tokens: int = 0
+    image_spans: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -2,8 +2,9 @@
 
 hash(block i) = sha256(hash(block i-1) | token ids of block i | extra keys). The chain makes a block's
 hash stand for the whole prefix up to its end, so two sequences share a block only when every token
-before it is the same too. Extra keys (the request's cache_salt, on the first block; image hashes once
-images reach the engine) keep prefixes that read the same ids but must not be shared apart.
+before it is the same too. Extra keys (the request's cache_salt, on the first block; the content hash of
+every image a block holds placeholder tokens of) keep prefixes that read the same ids but must not be
+shared apart.
 
 A hit is decided by the hash alone (no comparison of token ids): sha256 is strong enough that a
 collision is impractical, as in vLLM's `prefix_caching_hash_algo="sha256"`."""
@@ -24,6 +25,7 @@ class TokenSequence(Protocol):
     request_id: str
     cache_salt: str | None
     num_computed_tokens: int
+    image_spans: list[tuple[int, int, str]]  # (first token, end, content hash) of each image's placeholders
 
     @property
     def num_tokens(self) -> int: ...
@@ -48,5 +50,7 @@ def extend_block_hashes(
         i = len(hashes)
         tokens = seq.token_slice(i * block_size, (i + 1) * block_size)
         extra = (seq.cache_salt,) if i == 0 and seq.cache_salt is not None else ()
+        lo, hi = i * block_size, (i + 1) * block_size
+        extra += tuple(h for start, end, h in seq.image_spans if start < hi and end > lo)
         hashes.append(hash_block(hashes[-1] if hashes else None, tokens, extra))
     return hashes

@@ -56,6 +56,8 @@ class EngineConfig:
     # True: every step runs the Python model op by op. False: steps run the fused C++ step when the model
     # and cache are float32 (deltaserve/executor; vLLM's name for "no graphs / compilation").
     enforce_eager: bool = False
+    # Most items of each modality one prompt may carry (vLLM's --limit-mm-per-prompt); None: no limit.
+    limit_mm_per_prompt: dict[str, int] | None = None
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -97,6 +99,7 @@ class EngineConfig:
         except ValueError as e:
             raise EngineConfigError(str(e)) from None
         self._check_prefix_caching()
+        self._check_mm_limits()
         if self.speculative_config is not None:
             validate_speculative_config(self.speculative_config)
 
@@ -153,6 +156,23 @@ class EngineConfig:
             self.mamba_cache_mode = "align"
 
 
+    def _check_mm_limits(self) -> None:
+        limits = self.limit_mm_per_prompt
+        if limits is None:
+            return
+        if not isinstance(limits, dict):
+            raise EngineConfigError(f'limit_mm_per_prompt must be a dict like {{"image": 2}}, got {limits!r}')
+        unknown = sorted(set(limits) - set(MM_MODALITIES))
+        if unknown:
+            raise EngineConfigError(
+                f"limit_mm_per_prompt names {unknown}; accepted: {', '.join(MM_MODALITIES)} (video is not supported)"
+            )
+        for key, value in limits.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise EngineConfigError(f"limit_mm_per_prompt[{key!r}] must be an integer >= 0, got {value!r}")
+
+
+MM_MODALITIES = ("image",)
 MAMBA_CACHE_MODES = ("none", "align", "all")
 SPEC_METHODS = ("mtp",)
 

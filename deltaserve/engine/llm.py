@@ -12,6 +12,7 @@ from deltaserve.assets import demo_checkpoint_path
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.generation_config import generation_defaults
 from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.engine.media import MediaOptions, content_parts, load_image, render_parts
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling import SamplingParams
 
@@ -45,6 +46,8 @@ class LLM:
         enforce_eager: bool = False,
         num_threads: int | None = None,
         generation_config: str = "auto",
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        allowed_local_media_path: str | None = None,
     ) -> None:
         self.config = EngineConfig(
             model=None if model is None else str(model),
@@ -69,8 +72,11 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             enforce_eager=enforce_eager,
             num_threads=num_threads,
+            limit_mm_per_prompt=limit_mm_per_prompt,
         )
         self.engine = LLMEngine(self.config)
+        # LLM.chat's image_url parts: file: URLs only below this folder (vLLM's allowed_local_media_path).
+        self.media = MediaOptions(None if allowed_local_media_path is None else Path(allowed_local_media_path))
         self._ids = itertools.count()
         model_dir = Path(model) if model is not None else demo_checkpoint_path()
         # As vLLM: what generate uses without sampling_params ("auto": the model's generation_config.json).
@@ -88,7 +94,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, {"prompt_token_ids": [...]} or a list of those."""
+        """prompts: a string, a list of strings, {"prompt_token_ids": [...]} or a list of those; a dict may
+        carry "multi_modal_data": {"image": PIL image or list} with one <|image_pad|> per image in the prompt."""
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
@@ -127,18 +134,36 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} messages) or a list of conversations; tools
-        (OpenAI's function specs) go to the chat template, as in vLLM's LLM.chat."""
+        (OpenAI's function specs) go to the chat template, as in vLLM's LLM.chat. Content may be a list of
+        parts: text, image_url (data:, http(s): or allowed file: URLs) and image_pil (a PIL image)."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model directory has no tokenizer.json, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            tok.apply_chat_template(
-                c, add_generation_prompt=add_generation_prompt, tools=tools, **(chat_template_kwargs or {})
+        prompts: list[PromptType] = []
+        for c in conversations:
+            convo, images = self._with_images(c)
+            text = tok.apply_chat_template(
+                convo, add_generation_prompt=add_generation_prompt, tools=tools, **(chat_template_kwargs or {})
             )
-            for c in conversations
-        ]
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _with_images(self, conversation: list[Message]) -> tuple[list[Message], list[Any]]:
+        """Messages whose content parts are rendered to text (images as their placeholders), and the images."""
+        convo, images = [], []
+        for i, m in enumerate(conversation):
+            if not isinstance(m.get("content"), list):
+                convo.append(m)
+                continue
+            parts = content_parts(m["content"], f"messages[{i}].content")
+            for j, (kind, value) in enumerate(parts):
+                if kind == "image_url":
+                    images.append(load_image(value, f"messages[{i}].content[{j}]", self.media))
+                elif kind == "image_pil":
+                    images.append(value)
+            convo.append({**m, "content": render_parts(parts)})
+        return convo, images
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(ids)

@@ -20,7 +20,10 @@ from deltaserve.cache.tensors import allocate_cache, kv_cache_torch_dtype
 from deltaserve.config import ModelConfig
 from deltaserve.engine.config import EngineConfig, EngineConfigError
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.encoder_cache import EncoderCache
+from deltaserve.engine.image_processor import ImageProcessor
 from deltaserve.engine.logits_head import LogitsHead
+from deltaserve.engine.multimodal import MultiModalError, MultiModalPrompt, build_multimodal_prompt
 from deltaserve.engine.output_processor import OutputProcessor
 from deltaserve.engine.request import Request, RequestGroup, RequestStatus
 from deltaserve.engine.runner import ModelRunner
@@ -95,6 +98,7 @@ class LLMEngine:
                     "(no mtp.* tensors); drop speculative_config"
                 )
             self.model_config = self.model.config
+        self.image_processor, self.encoder_cache = self._vision_inputs(path)
         rank_cfg = rank_config(self.model_config, tp)  # each rank's heads: the cache budget is per rank
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
         kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
@@ -128,7 +132,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(
-            self.cache, config.max_num_seqs, config.max_num_batched_tokens, self.output_processor, k
+            self.cache, config.max_num_seqs, config.max_num_batched_tokens, self.output_processor, k,
+            encoder_cache=self.encoder_cache,
         )
         sampler = Sampler(self.eos_token_ids)
         head = LogitsHead(self.executor.compute_logits, self.executor.greedy_tokens)
@@ -140,7 +145,9 @@ class LLMEngine:
             self._policy = policy if policy.adaptive else None
             spec = SpecDecoder(self.executor, self.cache, sampler, k, self.max_model_len, head, policy)
             self.spec_metrics = SpecDecodeMetrics(accepted_per_position=[0] * k)
-        self.runner = ModelRunner(self.executor, self.cache_tensors, self.cache, sampler, head, spec)
+        self.runner = ModelRunner(
+            self.executor, self.cache_tensors, self.cache, sampler, head, spec, encoder_cache=self.encoder_cache
+        )
         self.groups: dict[str, RequestGroup] = {}
         self.requests: dict[str, Request] = {}
         self._aborted_outputs: list[RequestOutput] = []
@@ -148,6 +155,23 @@ class LLMEngine:
         self.last_schedule: SchedulerOutput | None = None
         # Called after every step with its SchedulerOutput (metrics, the inspector's step trace).
         self.step_listeners: list[Callable[[SchedulerOutput], None]] = []
+
+    def _vision_inputs(self, path: Path) -> tuple[ImageProcessor | None, EncoderCache | None]:
+        """The image processor (the checkpoint's preprocessor_config.json) and the encoder cache, for a model
+        whose vision tower is loaded; (None, None) for a text-only one."""
+        vision = self.model_config.vision
+        if self.config.tensor_parallel_size > 1 or self.model.visual is None:
+            return None, None
+        processor = ImageProcessor.from_dir(path, vision.patch_size, vision.temporal_patch_size,
+                                            vision.spatial_merge_size)
+        mine = (processor.patch_size, processor.temporal_patch_size, processor.merge_size)
+        tower = (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
+        if mine != tower:
+            raise EngineConfigError(
+                f"preprocessor_config.json cuts (patch, temporal patch, merge) = {mine}, but the vision tower "
+                f"takes {tower}"
+            )
+        return processor, EncoderCache()
 
     def _model_path(self) -> Path:
         if self.config.model is not None:
@@ -172,6 +196,7 @@ class LLMEngine:
         if taken:
             raise ValueError(f"request_id {taken[0]!r} is already in use")
         text, ids = self._tokenize(prompt)
+        ids, mm = self._multimodal(prompt, ids)
         self._validate_prompt(ids)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
@@ -195,6 +220,7 @@ class LLMEngine:
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
                 cache_salt=salt,
+                image_spans=[] if mm is None else [(im.offset, im.end, im.hash) for im in mm.images],
             )
             req.sampling.output_token_ids = req.output_token_ids  # one list: penalties read what we append
             if self.spec_metrics is not None:
@@ -203,8 +229,35 @@ class LLMEngine:
             req.metrics.arrival_time = group.arrival_time
             group.children.append(req)
             self.requests[child_id] = req
+            if mm is not None:
+                self.encoder_cache.add(child_id, mm)
             self.scheduler.add(req)
         self.groups[request_id] = group
+
+    def _multimodal(self, prompt: Any, ids: list[int]) -> tuple[list[int], MultiModalPrompt | None]:
+        """A prompt dict's multi_modal_data (vLLM's: {"image": a PIL image or a list of them}): the ids with
+        the image placeholders expanded, and the images; (ids, None) without images."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is None:
+            return ids, None
+        if not isinstance(data, dict):
+            raise MultiModalError(f"multi_modal_data must be a dict like {{'image': image}}, got {type(data).__name__}")
+        unknown = sorted(set(data) - {"image"})
+        if unknown:
+            raise MultiModalError(
+                f"multi_modal_data {unknown} is not supported: deltaserve takes images only ('image'); video "
+                "and audio inputs are not implemented"
+            )
+        images = data.get("image")
+        images = list(images) if isinstance(images, list | tuple) else [images]
+        if not images:
+            return ids, None
+        if self.config.tensor_parallel_size > 1 and self.model_config.vision is not None:
+            raise MultiModalError("images do not run under tensor parallelism yet (the vision tower is not "
+                                  "sharded); serve this model with tensor_parallel_size=1 to send images")
+        limit = (self.config.limit_mm_per_prompt or {}).get("image")
+        vision = self.model_config.vision if self.encoder_cache is not None else None
+        return build_multimodal_prompt(ids, images, vision, self.image_processor, limit)
 
     def _tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -58,6 +58,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens a prefix cache hit supplied when first scheduled
     cache_salt: str | None = None  # keeps this prompt's cached prefix apart from other salts' (vLLM's)
+    # (first token, end, content hash) of each image's placeholder tokens: prefix hashing keys on them
+    image_spans: list[tuple[int, int, str]] = field(default_factory=list)
     text: str = ""
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None

@@ -10,12 +10,14 @@ from dataclasses import dataclass, field
 import torch
 
 from deltaserve.cache.manager import CacheManager
+from deltaserve.engine.encoder_cache import EncoderCache
 from deltaserve.engine.logits_head import LogitsHead
 from deltaserve.engine.sampler import Sampler, SamplerOutput
 from deltaserve.engine.scheduler import VERIFY, SchedulerOutput
 from deltaserve.engine.spec_decode import DraftEntry, SpecDecoder, VerifyResult
 from deltaserve.executor import Executor
 from deltaserve.model.context import CacheTensors, ForwardContext
+from deltaserve.model.mrope import positions_for
 
 # Steps with at most this many tokens build positions and KV slots in a Python loop (measured at 32
 # tokens: 19 us against 50 us for the tensor ops, which win from about a hundred tokens on).
@@ -34,9 +36,10 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(
         self, executor: Executor, cache: CacheTensors, manager: CacheManager, sampler: Sampler,
-        head: LogitsHead, spec: SpecDecoder | None = None,
+        head: LogitsHead, spec: SpecDecoder | None = None, encoder_cache: EncoderCache | None = None,
     ) -> None:
-        """head: the executor's lm_head (shared with the spec decoder)."""
+        """head: the executor's lm_head (shared with the spec decoder); encoder_cache: the requests' images
+        and the vision tower's output for them (a model with a vision tower)."""
         self.executor = executor
         self.head = head
         self.cache = cache
@@ -44,6 +47,7 @@ class ModelRunner:
         self.sampler = sampler
         self.block_size = manager.block_size
         self.spec = spec
+        self.encoder_cache = encoder_cache
 
     def build_context(self, sched: SchedulerOutput) -> tuple[torch.Tensor, ForwardContext]:
         """input_ids [T] and the paged context; a verify entry feeds its last sampled token and drafts."""
@@ -60,6 +64,10 @@ class ModelRunner:
             [s.request.request_id for s in sched.scheduled],
             [s.kind == VERIFY for s in sched.scheduled] if self.spec is not None else None,
         )
+        if self.encoder_cache is not None and self.encoder_cache.prompts:
+            spans = [(s.request.request_id, s.context_len, s.num_tokens - s.num_draft_tokens, ctx.query_start_loc[b])
+                     for b, s in enumerate(sched.scheduled)]
+            ctx.mm_embeds = self.encoder_cache.embeddings_for(spans, self.executor.encode_images)
         return torch.tensor(ids, dtype=torch.long), ctx
 
     def make_context(
@@ -97,6 +105,8 @@ class ModelRunner:
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
+        if self.encoder_cache is not None and any(r in self.encoder_cache.prompts for r in request_ids):
+            positions = self._mrope_positions(positions, qsl, request_ids)
         return ForwardContext(
             positions=positions,
             query_start_loc=qsl,
@@ -107,6 +117,17 @@ class ModelRunner:
             slot_mapping=slot_mapping,
             verify=verify,
         )
+
+    def _mrope_positions(self, positions: torch.Tensor, qsl: list[int], request_ids: list[str]) -> torch.Tensor:
+        """[T] token indices -> [3, T] mRoPE positions: a request with images reads its prompt's (t, h, w)
+        positions and shifts later tokens by its delta; text-only requests keep index on all three rows."""
+        out = positions.expand(3, -1).clone()
+        for b, rid in enumerate(request_ids):
+            prompt = self.encoder_cache.prompts.get(rid)
+            if prompt is not None:
+                rows = slice(qsl[b], qsl[b + 1])
+                out[:, rows] = positions_for(prompt.positions, prompt.delta, positions[rows])
+        return out
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deltaserve.cache.manager import CacheManager
+from deltaserve.engine.encoder_cache import EncoderCache
 from deltaserve.engine.output_processor import OutputProcessor
 from deltaserve.engine.request import Request, RequestStatus
 
@@ -76,14 +77,18 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, output: OutputProcessor,
-        num_lookahead_tokens: int = 0,
+        num_lookahead_tokens: int = 0, encoder_cache: EncoderCache | None = None,
     ) -> None:
-        """output: appends tokens and checks stops; num_lookahead_tokens: k with speculation, else 0."""
+        """output: appends tokens and checks stops; num_lookahead_tokens: k with speculation, else 0;
+        encoder_cache: the vision tower's outputs, freed here as requests pass their images, are preempted
+        or finish."""
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.output = output
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.encoder_cache = encoder_cache
+        self._encoder_budget = 0  # what is left of this step's encoder budget (set by schedule())
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the newest is preempted first
         self.num_preemptions = 0
@@ -98,6 +103,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        # The vision tower's budget, in merged tokens (vLLM's max_num_encoder_input_tokens default).
+        self._encoder_budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         now = time.monotonic()
@@ -106,6 +113,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self.cache.clip_chunk(req.request_id, req.num_computed_tokens, min(req.num_pending_tokens, budget))
+            n, encoder_cost = self._clip_for_encoder(req, req.num_computed_tokens, n)
+            if n == 0:  # its next image waits for a step with room in the encoder budget
+                i += 1
+                continue
             drafts = 0
             if req.spec_token_ids and req.num_pending_tokens == 1:
                 # Verify 1 + k tokens; drafts beyond the budget are dropped, not postponed (stale next step).
@@ -125,6 +136,7 @@ class Scheduler:
                 break
             scheduled.append(self._entry(req, n, drafts))
             budget -= n
+            self._encoder_budget -= encoder_cost
             i += 1
 
         # Nothing new joins while running requests were just evicted for space: they come back first.
@@ -134,7 +146,8 @@ class Scheduler:
             hit = self.cache.lookup_prefix(req)
             start = req.num_computed_tokens + hit.num_tokens
             n = self.cache.clip_chunk(req.request_id, start, min(req.num_tokens - start, budget))
-            if not self.cache.allocate(req.request_id, start + n, hit):
+            n, encoder_cost = self._clip_for_encoder(req, start, n)
+            if n == 0 or not self.cache.allocate(req.request_id, start + n, hit):
                 break
             req.num_computed_tokens = start
             self.cache.admitted(req, hit)
@@ -147,7 +160,15 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(self._entry(req, n))
             budget -= n
+            self._encoder_budget -= encoder_cost
         return SchedulerOutput(scheduled, len(self.waiting), len(self.running), preempted)
+
+    def _clip_for_encoder(self, req: Request, start: int, n: int) -> tuple[int, int]:
+        """The chunk cut before the first image the encoder budget has no room for, and its encoder cost."""
+        if self.encoder_cache is None:
+            return n, 0
+        fresh = self._encoder_budget == self.max_num_batched_tokens
+        return self.encoder_cache.clip_to_budget(req.request_id, start, n, self._encoder_budget, fresh)
 
     def _reserve_lookahead(self, req: Request, n: int, drafts: int = 0) -> None:
         """Room for the draft positions the MTP head writes after a step that samples (it drafts from the
@@ -172,6 +193,8 @@ class Scheduler:
                 req.num_computed_tokens += s.num_tokens
                 if s.kind != DECODE:
                     self.prompt_tokens += s.num_tokens
+                    if self.encoder_cache is not None:
+                        self.encoder_cache.release_done(req.request_id, req.num_computed_tokens)
             if speculating:
                 req.spec_token_ids, req.spec_draft_probs = out.drafts.get(req.request_id, ([], []))
         # Prefix caching: snapshots and newly full blocks, before a finishing request frees its blocks.
@@ -208,6 +231,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.cache.free(req.request_id)
+        if self.encoder_cache is not None:
+            self.encoder_cache.drop_outputs(req.request_id)
         req.spec_token_ids.clear()  # drafts are proposed afresh once the request is recomputed
         req.spec_draft_probs.clear()
         req.spec_backlog = None  # the recomputation runs the MTP pass over every position again
@@ -226,3 +251,5 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.cache.free(req.request_id)
+        if self.encoder_cache is not None:
+            self.encoder_cache.remove(req.request_id)

@@ -35,6 +35,10 @@ class Executor(ABC):
                    ) -> torch.Tensor:
         """The MTP head's hidden [T, H] from trunk (or previous MTP) hidden at t and token t+1."""
 
+    def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The vision tower's merged tokens [N, H] for the images' patches (model/vision.py)."""
+        raise ValueError(f"the {self.name} executor does not run a vision tower")
+
     def check_health(self) -> None:
         """Raise if steps can no longer run (a tensor-parallel rank died); one process is always healthy."""
         return None

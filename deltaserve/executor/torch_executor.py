@@ -32,6 +32,9 @@ class TorchExecutor(Executor):
                    ) -> torch.Tensor:
         return self.model.mtp_hidden(next_token_ids, hidden, ctx, step)
 
+    def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        return self.model.encode_images(pixels, grids)
+
     def commit_verified(self, ctx: ForwardContext, accepted: list[int]) -> None:
         slots = ctx.state_slots[ctx.spec_seqs]
         pick = torch.tensor(accepted, dtype=torch.long)

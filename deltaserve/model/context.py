@@ -73,6 +73,9 @@ class ForwardContext:
     block_tables: torch.Tensor | None = None  # [B, max_blocks] long, padded
     state_slots: torch.Tensor | None = None  # [B] long
     slot_mapping: torch.Tensor | None = None  # [T] long: flat KV row of each new token
+    # Multimodal prompts: (rows [R] long, embeddings [R, H]) that replace the token embeddings at those rows
+    # (the vision tower's merged tokens where the prompt has image placeholders).
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     trace: ForwardTrace | None = None  # set only by the inspector's own forwards, never by the engine
     # Per sequence: a speculative verify segment (last sampled token + drafts). Attention treats it as a
     # short chunk; GDN layers keep the state after every position in spec_states instead of committing,

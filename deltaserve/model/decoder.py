@@ -59,10 +59,6 @@ def vocab_embedding(cfg: ModelConfig, shard: Shard) -> Embedding:
     return VocabParallelEmbedding(rank_shape(cfg, shard.size).vocab, cfg.hidden_size, shard)
 
 
-def rotary_embedding(cfg: ModelConfig) -> RotaryEmbedding:
-    return RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
-
-
 class TextModel(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: Shard = SINGLE) -> None:
         super().__init__()
@@ -70,11 +66,14 @@ class TextModel(nn.Module):
         layer_cfg = rank_config(cfg, shard.size)
         self.layers = nn.ModuleList(DecoderLayer(layer_cfg, i, t, shard) for i, t in enumerate(cfg.layer_types))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.rotary = rotary_embedding(cfg)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden states [T, H]."""
         x = self.embed_tokens(input_ids)  # in the activation dtype (Embedding.out_dtype)
+        if ctx.mm_embeds is not None:  # visual tokens replace their placeholders' embeddings
+            rows, embeds = ctx.mm_embeds
+            x = x.index_copy(0, rows, embeds.to(x.dtype))
         cos_sin = self.rotary.cos_sin(ctx.positions)
         for layer in self.layers:
             x = layer(x, ctx, self.rotary, cos_sin)
@@ -88,7 +87,10 @@ class Qwen3_5ForCausalLM(nn.Module):
     whole model's, `rank_config` has the rank's heads (its cache is allocated from it), lm_head holds the
     rank's vocabulary rows."""
 
-    def __init__(self, cfg: ModelConfig, with_mtp: bool = False, shard: Shard = SINGLE) -> None:
+    def __init__(
+        self, cfg: ModelConfig, with_mtp: bool = False, shard: Shard = SINGLE, with_vision: bool = False
+    ) -> None:
+        """with_vision: build the vision tower of config.json's vision_config (model/vision.py)."""
         super().__init__()
         self.config = cfg
         self.shard = shard
@@ -103,6 +105,11 @@ class Qwen3_5ForCausalLM(nn.Module):
             from deltaserve.model.mtp import MTPHead
 
             self.mtp = MTPHead(cfg, shard)
+        self.visual = None
+        if with_vision:
+            from deltaserve.model.vision import VisionTower
+
+            self.visual = VisionTower(cfg.vision)
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -126,6 +133,12 @@ class Qwen3_5ForCausalLM(nn.Module):
         if self.shard.size == 1:
             return logits
         return self.shard.all_gather_last(logits)[:, : self.config.vocab_size]
+
+    def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Merged visual tokens [sum of t*h*w / merge**2, H] of the images' patches (VisionTower.forward)."""
+        if self.visual is None:
+            raise ValueError("this model has no vision tower (no model.visual.* tensors), so it cannot take images")
+        return self.visual(pixels, grids)
 
     def mtp_hidden(
         self, next_token_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, step: int = 0

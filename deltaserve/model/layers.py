@@ -49,13 +49,15 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        # Computed on the CPU even while the loader builds the parameters on the meta device.
+        steps = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu")
+        inv_freq = 1.0 / (theta ** (steps / rotary_dim))
         # A plain attribute, not a buffer: it must stay fp32 when the model is cast to bf16.
         self.inv_freq = inv_freq
         half = rotary_dim // 2
-        axis = torch.zeros(half, dtype=torch.long)  # which position row each frequency reads
+        axis = torch.zeros(half, dtype=torch.long, device="cpu")  # which position row each frequency reads
         if mrope_section is not None:
-            f = torch.arange(half)
+            f = torch.arange(half, device="cpu")
             if interleaved:
                 axis[(f % 3 == 1) & (f < 3 * mrope_section[1])] = 1
                 axis[(f % 3 == 2) & (f < 3 * mrope_section[2])] = 2

@@ -1,7 +1,8 @@
 """Load a checkpoint directory (config.json + safetensors) into Qwen3_5ForCausalLM.
 
 Accepted layouts: the official one (`model.language_model.*`, `model.visual.*`, `lm_head.weight`, `mtp.*`)
-and the `*ForCausalLM` one (`model.*`). `model.visual.*` is skipped (no vision tower yet). FP8
+and the `*ForCausalLM` one (`model.*`). `model.visual.*` fills the vision tower (model/vision.py, the same
+names under `visual.*`) when config.json has a vision_config; without one it is skipped. FP8
 block-quantized weights (`quantization_config.quant_method == "fp8"`) are dequantized on load with their
 `weight_scale_inv` (one scale per block). A missing, unexpected or mis-shaped tensor is an error naming it.
 
@@ -35,7 +36,7 @@ from deltaserve.model.checkpoint_names import (
     targets,
     view,
 )
-from deltaserve.model.decoder import Qwen3_5ForCausalLM, rotary_embedding
+from deltaserve.model.decoder import Qwen3_5ForCausalLM
 from deltaserve.model.linear import Embedding, StoredWeights, WeightPolicy, store, tie
 from deltaserve.model.parallel import SINGLE, Shard
 from deltaserve.model.sharding import RankPart, rank_part, rank_slice
@@ -84,10 +85,10 @@ def _open(file: Path):
         raise CheckpointError(f"checkpoint file {file} is not a readable safetensors file: {e}") from e
 
 
-def map_name(name: str) -> str | None:
+def map_name(name: str, with_vision: bool = False) -> str | None:
     """Checkpoint tensor name -> our parameter name (None: skipped on purpose)."""
     if name.startswith("model.visual."):
-        return None
+        return "visual." + name[len("model.visual."):] if with_vision else None
     if name.startswith("model.language_model."):
         return "model." + name[len("model.language_model."):]
     return name
@@ -202,7 +203,9 @@ def _materialize(model: torch.nn.Module, cfg: ModelConfig, policy: WeightPolicy,
             if p.is_meta:
                 module.register_parameter(attr, torch.nn.Parameter(
                     torch.empty(p.shape, dtype=policy.dtype), requires_grad=False))
-    model.model.rotary = rotary_embedding(cfg)  # computed, not loaded: rebuilt off the meta device
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:  # a module that computes a tensor at construction must do it on the CPU (see RotaryEmbedding)
+        raise RuntimeError(f"the loader left {', '.join(left[:3])} on the meta device")
 
 
 def _fill(dest: torch.nn.Module, attr: str, t: Target, piece: torch.Tensor, fp8_scale: torch.Tensor | None,
@@ -272,11 +275,14 @@ def load_model(
     if with_mtp and not has_mtp:
         raise CheckpointError(f"{path} has no mtp.* tensors, so it cannot draft with its MTP head")
     load_mtp = has_mtp if with_mtp is None else with_mtp
-    if cfg.vision is not None and any(n.startswith("model.visual.") for n in names):
-        log.info("skipping the vision tower (model.visual.*): deltaserve serves text only for now")
+    has_visual = any(n.startswith("model.visual.") for n in names)
+    with_vision = cfg.vision is not None and has_visual and shard.size == 1
+    if has_visual and not with_vision:
+        why = "config.json has no vision_config" if cfg.vision is None else "tensor parallelism runs text only"
+        log.info("skipping the vision tower (model.visual.*): %s", why)
 
     with torch.device("meta"):  # shapes only: every parameter gets its memory once, in its format
-        model = Qwen3_5ForCausalLM(cfg, with_mtp=load_mtp, shard=shard)
+        model = Qwen3_5ForCausalLM(cfg, with_mtp=load_mtp, shard=shard, with_vision=with_vision)
     params = {n: p for n, p in model.named_parameters(remove_duplicate=False) if not n.endswith("_scale")}
     quant = cfg.quantization_config or {}
     fp8 = quant.get("quant_method") == "fp8"
@@ -290,7 +296,7 @@ def load_model(
             continue
         if name.startswith("mtp.") and not load_mtp:
             continue
-        target = map_name(name)
+        target = map_name(name, with_vision)
         if target is None:
             continue
         if target == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -24,9 +24,11 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltaserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from deltaserve.engine.media import MediaOptions
 from deltaserve.inspect.routes import FAVICON
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling import SamplingParams
+from deltaserve.serve.chat import image_urls
 from deltaserve.serve.chat_tools import ToolConfig
 from deltaserve.serve.errors import APIError, error_response, from_api_error, param_of, status_phrase
 from deltaserve.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -72,6 +74,7 @@ class ServerOptions:
     metrics_need_key: bool = True  # --disable-metrics-auth turns it off
     max_request_body_bytes: int = 16 * 1024 * 1024
     rules: RequestRules = field(default_factory=RequestRules)
+    media: MediaOptions = field(default_factory=MediaOptions)  # image_url fetching and local files
 
 
 def build_app(
@@ -121,16 +124,14 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         check_model(body.model)
         rules.check(body)
-        prep = await _prepare(raw, prepare_chat, async_engine, body, tool_config, rules)
+        # Fetching and decoding images never runs on the event loop, however small the body.
+        offload = bool(image_urls(body.messages))
+        prep = await _prepare(raw, prepare_chat, async_engine, body, tool_config, rules, options.media,
+                              offload=offload)
         prompt_logprobs = None
         if body.prompt_logprobs is not None:
             prompt_logprobs = await scorer.score(prep.prompt_token_ids, body.prompt_logprobs)
-        stream = await _add(
-            async_engine,
-            prep.request_id,
-            {"prompt": prep.prompt, "prompt_token_ids": prep.prompt_token_ids},
-            prep.params,
-        )
+        stream = await _add(async_engine, prep.request_id, prep.engine_prompt(), prep.params)
         if body.stream:
             return StreamingResponse(
                 chat_stream(async_engine, body, prep, stream, served_model_name),
@@ -234,9 +235,10 @@ def build_app(
     return app
 
 
-async def _prepare(raw: Request, fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args) inline for a small request body, else in a worker thread (see the module docstring)."""
-    if len(await raw.body()) <= INLINE_BODY_BYTES:  # the body is already read (and cached) by now
+async def _prepare(raw: Request, fn: Callable[..., T], *args: Any, offload: bool = False) -> T:
+    """fn(*args) inline for a small request body, else (or with offload) in a worker thread (see the module
+    docstring)."""
+    if not offload and len(await raw.body()) <= INLINE_BODY_BYTES:  # the body is already read (and cached) by now
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
 

@@ -7,23 +7,37 @@ from __future__ import annotations
 
 from typing import Any
 
+from deltaserve.engine.media import MediaError, content_parts, render_parts
 from deltaserve.serve.errors import APIError
 from deltaserve.serve.protocol import ChatMessage
+
+
+def _parts(content: list[dict[str, Any]], index: int) -> list[tuple[str, Any]]:
+    try:
+        parts = content_parts(content, f"messages[{index}].content")
+    except MediaError as e:
+        raise APIError(400, str(e), param="messages") from e
+    for j, (kind, _) in enumerate(parts):
+        if kind == "image_pil":  # a Python object: only LLM.chat can pass one
+            raise APIError(400, f"messages[{index}].content[{j}]: content part type 'image_pil' is not "
+                           "supported over HTTP; send an image_url", param="messages")
+    return parts
 
 
 def _text_of(content: str | list[dict[str, Any]] | None, index: int) -> str | None:
     if content is None or isinstance(content, str):
         return content
-    parts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise APIError(
-                400,
-                f"messages[{index}].content: only text parts are supported, got type {part.get('type')!r}",
-                param="messages",
-            )
-        parts.append(part["text"])
-    return "".join(parts)
+    return render_parts(_parts(content, index))
+
+
+def image_urls(messages: list[ChatMessage]) -> list[tuple[str, Any]]:
+    """(where, url) of every image part, in the order their placeholders appear in the prompt."""
+    urls = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            parts = _parts(m.content, i)
+            urls += [(f"messages[{i}].content[{j}]", url) for j, (kind, url) in enumerate(parts) if kind == "image_url"]
+    return urls
 
 
 def render_chat_prompt(

@@ -109,6 +109,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     sock = bind_port(args.host, args.port)
     try:
         config = EngineConfig(**engine_kwargs)
+        media = media_options(args)
         model_dir = Path(config.model) if config.model else _demo_dir()
         check_tokenizer(model_dir, args.skip_tokenizer_init)
         defaults = generation_defaults(model_dir, args.generation_config)
@@ -127,6 +128,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         metrics_need_key=not args.disable_metrics_auth,
         max_request_body_bytes=args.max_request_body_bytes,
         rules=rules,
+        media=media,
     )
     app = build_app(engine, name, options, model_root=config.model,
                     extra_routers=[build_inspect_router(engine.engine)],  # the inspector at /inspect
@@ -148,6 +150,15 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         engine.shutdown()
         sock.close()
     return 0
+
+
+def media_options(args: argparse.Namespace) -> Any:
+    from deltaserve.engine.media import MediaOptions
+
+    root = args.allowed_local_media_path
+    if root is not None and not Path(root).is_dir():
+        raise ValueError(f"--allowed-local-media-path {root!r} is not a folder")
+    return MediaOptions(None if root is None else Path(root), args.image_fetch_timeout, args.max_image_bytes)
 
 
 def _demo_dir() -> Path:

@@ -7,13 +7,16 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from deltaserve.engine.async_engine import AsyncEngine, RequestStream
 from deltaserve.engine.detokenizer import stop_holdback
+from deltaserve.engine.image_processor import ImageError
+from deltaserve.engine.media import MediaError, MediaOptions, load_image
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling import SamplingParams
-from deltaserve.serve.chat import render_chat_prompt
+from deltaserve.serve.chat import image_urls, render_chat_prompt
 from deltaserve.serve.chat_tools import ToolConfig, ToolPlan, plan_tools
 from deltaserve.serve.errors import APIError
 from deltaserve.serve.logprobs import chat_logprobs, prompt_logprobs_field
@@ -45,13 +48,20 @@ class PreparedChat:
     params: SamplingParams
     thinking: bool
     tools: ToolPlan
+    images: list[Any] = field(default_factory=list)  # decoded pictures of the image_url parts, in order
+
+    def engine_prompt(self) -> dict[str, Any]:
+        prompt: dict[str, Any] = {"prompt": self.prompt, "prompt_token_ids": self.prompt_token_ids}
+        if self.images:
+            prompt["multi_modal_data"] = {"image": self.images}
+        return prompt
 
 
 def prepare_chat(
     engine: AsyncEngine, req: ChatCompletionRequest, tool_config: ToolConfig | None = None,
-    rules: RequestRules | None = None,
+    rules: RequestRules | None = None, media: MediaOptions | None = None,
 ) -> PreparedChat:
-    """Template, tokenize and check one request: run it off the event loop."""
+    """Template, tokenize, fetch the images and check one request: run it off the event loop."""
     if req.stream and req.prompt_logprobs is not None:
         raise APIError(400, "prompt_logprobs is not supported with stream on chat completions; use "
                        "stream: false or /v1/completions", param="prompt_logprobs")
@@ -75,7 +85,32 @@ def prepare_chat(
             structured = dataclasses.replace(structured, reasoning_end=THINK_END)
         check_compiles(engine, structured, field)
         params.structured_outputs = structured
-    return PreparedChat(random_id("chatcmpl"), prompt, ids, params, thinking, tools)
+    images = _images(engine, req, media or MediaOptions())
+    return PreparedChat(random_id("chatcmpl"), prompt, ids, params, thinking, tools, images)
+
+
+def _images(engine: AsyncEngine, req: ChatCompletionRequest, media: MediaOptions) -> list[Any]:
+    urls = image_urls(req.messages)
+    if not urls:
+        return []
+    core = engine.engine
+    if core.encoder_cache is None and core.config.tensor_parallel_size > 1 and core.model_config.vision is not None:
+        raise APIError(400, "images do not run under tensor parallelism yet (the vision tower is not sharded)",
+                       param="messages")
+    if core.encoder_cache is None:  # before any fetch: the model could not use them anyway
+        raise APIError(400, "this model has no vision tower (its checkpoint has no model.visual.* tensors or no "
+                       "vision_config), so it cannot take image_url parts", param="messages")
+    limit = (core.config.limit_mm_per_prompt or {}).get("image")
+    if limit is not None and len(urls) > limit:
+        raise APIError(400, f"the messages have {len(urls)} images, more than the limit of {limit} per prompt "
+                       "(--limit-mm-per-prompt)", param="messages")
+    images = []
+    for where, url in urls:
+        try:  # resized and cut into patches here, off the engine's thread
+            images.append(core.image_processor(load_image(url, where, media)))
+        except (MediaError, ImageError) as e:
+            raise APIError(400, f"{e}" if isinstance(e, MediaError) else f"{where}: {e}", param="messages") from e
+    return images
 
 
 def _usage(out: RequestOutput) -> UsageInfo:
