@@ -237,6 +237,26 @@ def test_streamed_calls_equal_non_streamed(client: openai.OpenAI, choice: object
     ]
 
 
+def test_streamed_arguments_arrive_while_the_call_is_generated(client: openai.OpenAI) -> None:
+    """With logprobs every token has its chunk, so the order shows when the call's fragments came: the
+    header and first argument while later arguments were still being generated, not all at the end."""
+    kwargs = dict(model="tiny", messages=USER, tools=[WEATHER], tool_choice="required", max_tokens=200,
+                  temperature=0, logprobs=True, extra_body=NO_THINK)
+    order, fragments = [], []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):  # type: ignore[call-overload]
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                order.append("call")
+                fragments.append(d.function.arguments)
+            if ch.logprobs and ch.logprobs.content:
+                order.append("token")
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls  # type: ignore[call-overload]
+    assert "".join(fragments) == whole[0].function.arguments
+    first, last = order.index("call"), len(order) - 1 - order[::-1].index("call")
+    assert "token" in order[first:last], order  # tokens were generated between the call's first and last delta
+    assert len(json.loads(whole[0].function.arguments)) >= 2 and fragments.count("{") == 1
+
+
 def test_tool_round_trip_with_reasoning(client: openai.OpenAI) -> None:
     """An assistant turn with reasoning and a call, then the tool's result, render and continue."""
     messages = [
