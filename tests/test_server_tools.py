@@ -104,6 +104,32 @@ def test_required_calls_always_parse_and_validate(client: openai.OpenAI, seed: i
         _check_call(call)
 
 
+def _tool(name: str, properties: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": properties, "required": list(properties)}}}
+
+
+BOOK = _tool("book", {"day": {"type": "string", "format": "date"}, "host": {"type": "string", "format": "ipv4"},
+                      "ref": {"type": "string", "format": "uuid"}, "at": {"type": "string", "format": "time"}})
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_required_call_string_formats_hold(client: openai.OpenAI, seed: int) -> None:
+    """qwen3_coder writes strings raw: the call grammar enforces their formats itself."""
+    import datetime
+    import ipaddress
+    import uuid
+
+    r = client.chat.completions.create(model="tiny", messages=USER, tools=[BOOK], tool_choice="required",
+                                       max_tokens=200, temperature=1.0, seed=seed, extra_body=NO_THINK,
+                                       parallel_tool_calls=False)
+    args = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+    datetime.date.fromisoformat(args["day"])
+    ipaddress.IPv4Address(args["host"])
+    uuid.UUID(args["ref"])
+    datetime.time.fromisoformat(args["at"])
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_parallel_required_calls_each_validate(client: openai.OpenAI, seed: int) -> None:
     r = client.chat.completions.create(
@@ -189,6 +215,8 @@ def test_invalid_schema_and_grammar_are_400(client: openai.OpenAI) -> None:
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
         ({"tool_choice": "required"}, "needs tools"),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [_tool("book", {"ref": {"type": "string", "format": "iri"}})], "tool_choice": "required"},
+         "tool 'book', parameter 'ref': string format 'iri' is not supported"),
     ]
     for extra, needle in cases:
         with pytest.raises(openai.BadRequestError) as e:

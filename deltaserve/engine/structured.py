@@ -51,7 +51,7 @@ class GrammarError(ValueError):
     """A schema, regex or grammar llguidance cannot compile; the message says which and why."""
 
 
-def _llguidance() -> Any:
+def llguidance_module() -> Any:
     import llguidance  # imported on first use: plain requests never pay for it
 
     return llguidance
@@ -77,7 +77,7 @@ def json_schema_lark(schema: dict[str, Any] | bool) -> str:
 
 def _body_lark(spec: StructuredOutputsParams) -> str:
     """The constraint's own Lark grammar (a `start` rule)."""
-    llg = _llguidance()
+    llg = llguidance_module()
     if spec.json is not None:
         schema = spec.json
         if isinstance(schema, str):
@@ -123,7 +123,7 @@ class CompiledGrammar:
 
     def matcher(self) -> GrammarMatcher:
         if self._prototype is None:
-            self._prototype = _llguidance().LLMatcher(self.lltokenizer, self.grammar, log_level=0)
+            self._prototype = llguidance_module().LLMatcher(self.lltokenizer, self.grammar, log_level=0)
         return GrammarMatcher(self._prototype.deep_copy(), self.lltokenizer.eos_token, self.lltokenizer.vocab_size)
 
 
@@ -147,7 +147,7 @@ class GrammarCompiler:
                 raise GrammarError("structured outputs need the model's tokenizer, and this model has none")
             # The tokenizer's own EOS is the grammar's end; the engine's other stop ids follow it (below).
             eos = (self.tokenizer.eos_token_ids or self.eos_token_ids)[:1] or None
-            self._lltokenizer = _llguidance().LLTokenizer(
+            self._lltokenizer = llguidance_module().LLTokenizer(
                 self.tokenizer.to_json(), n_vocab=self.vocab_size, eos_token=eos
             )
         return self._lltokenizer
@@ -167,7 +167,7 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
-        llg = _llguidance()
+        llg = llguidance_module()
         body = _body_lark(spec)
         if spec.reasoning_end:
             # Free reasoning up to its end marker, then up to two newlines, then the constraint.
@@ -266,7 +266,7 @@ def compute_masks_ahead(matchers: Sequence[GrammarMatcher], outputs: Sequence[Se
         return
     if _mask_executor is None:
         # One llguidance thread: masks take microseconds each, and the forward has the cores.
-        _mask_executor = _llguidance().LLExecutor(num_threads=1)
+        _mask_executor = llguidance_module().LLExecutor(num_threads=1)
     bitmask = torch.full((len(live), (live[0].vocab_size + 31) // 32), -1, dtype=torch.int32)
     fill_next_token_bitmask_par(_mask_executor, [(m.matcher, i) for i, m in enumerate(live)], bitmask)
     words = bitmask.numpy()
