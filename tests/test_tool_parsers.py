@@ -65,8 +65,12 @@ def test_malformed_call_stays_text(bad: str) -> None:
     assert calls == [] and content == "Hi " + bad
 
 
-def test_hermes_malformed_json_stays_text() -> None:
-    bad = '<tool_call>\n{"name": "plan", "arguments": {"city": }\n</tool_call>'
+@pytest.mark.parametrize("bad", [
+    '<tool_call>\n{"name": "plan", "arguments": {"city": }\n</tool_call>',
+    '<tool_call>\n{"name": "pl\\qan", "arguments": {"city": "P"}}\n</tool_call>',  # not JSON escapes
+    '<tool_call>\n{"name": "plan", "arguments": {"ci\\qty": "P"}}\n</tool_call>',
+])
+def test_hermes_malformed_json_stays_text(bad: str) -> None:
     assert extract_tool_calls(HermesToolParser(), SCHEMAS, bad) == (bad, [])
 
 

@@ -97,8 +97,9 @@ class Sampler:
 
     def grammar_masks_ahead(self, states: Sequence[SequenceSamplingState]) -> Future | None:
         """Start syncing the grammar matchers of `states` (rows to be sampled, one per sequence) and computing
-        their masks on a worker thread, to overlap the forward; None when no row has a grammar. The caller
-        waits for the result before sampling these rows, and touches their matchers only after that."""
+        their masks on a worker thread, to overlap the forward; None when fewer than _MASKS_AHEAD_MIN_ROWS
+        rows have a grammar. The caller waits for the result (wait_grammar_masks) before sampling these rows,
+        and touches their matchers only after that."""
         rows = [s for s in states if s.grammar is not None]
         if len(rows) < _MASKS_AHEAD_MIN_ROWS:
             return None  # the sampler computes the few masks itself, when it needs them

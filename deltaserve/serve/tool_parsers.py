@@ -156,7 +156,16 @@ class Qwen3CoderToolParser(ToolParser):
 _HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{')
 _JSON_KEY = re.compile(r'\s*("(?:[^"\\]|\\.)*")\s*:\s*')
 _HERMES_END = re.compile(r"\s*\}\s*\}\s*")
+_COMMA = re.compile(r"\s*,")
 _JSON = json.JSONDecoder()
+
+
+def _json_string(quoted: str) -> str | None:
+    """A quoted JSON string's value; None if its escapes are not JSON's."""
+    try:
+        return json.loads(quoted)
+    except json.JSONDecodeError:
+        return None
 
 
 class HermesToolParser(ToolParser):
@@ -166,14 +175,15 @@ class HermesToolParser(ToolParser):
         """Streams `{"name": NAME, "arguments": {...}}` (the template's layout) argument by argument;
         any other layout is read whole when its block ends (parse_block)."""
         m = _HERMES_HEAD.match(block)
-        if m is None:
+        name = None if m is None else _json_string(m.group(1))
+        if m is None or name is None:
             return BlockScan()
-        out = BlockScan(name=json.loads(m.group(1)), members_end=m.end())
+        out = BlockScan(name=name, members_end=m.end())
         seen: set[str] = set()
         while True:
             pos = out.members_end
             if out.members:
-                comma = re.compile(r"\s*,").match(block, pos)
+                comma = _COMMA.match(block, pos)
                 if comma is None:
                     break
                 pos = comma.end()
@@ -185,9 +195,9 @@ class HermesToolParser(ToolParser):
             except json.JSONDecodeError:
                 break  # not complete yet, or not JSON
             after = block[end:].lstrip()
-            key = json.loads(k.group(1))
+            key = _json_string(k.group(1))
             # A number is complete only when something follows it; a repeated key is not a call's arguments
-            if not after or after[0] not in ",}" or key in seen:
+            if not after or after[0] not in ",}" or key is None or key in seen:
                 break
             seen.add(key)
             out.members.append((key, value))
