@@ -143,6 +143,29 @@ def test_argmax_checks_agree_with_the_mask(llm) -> None:
             assert alone.allows(eos[0], eos) == alone.matcher.is_accepting()
 
 
+def test_masks_ahead_only_with_a_spare_core(llm) -> None:
+    """The worker computes the masks ahead when the forward's threads leave a core free (the suite runs one
+    thread), and stays out of the way when they use every core."""
+    import torch
+
+    from deltaserve.engine.sampler import make_sampling_state
+    from deltaserve.engine.threads import physical_cores
+
+    sampler = llm.engine.runner.sampler
+    grammar = llm.engine.grammars.compile(StructuredOutputsParams(json=SCHEMA))
+    states = [make_sampling_state(_params(None), [1, 2], grammar=grammar) for _ in range(4)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(physical_cores())
+        assert sampler.grammar_masks_ahead(states) is None
+        torch.set_num_threads(1)
+        if physical_cores() > 1:
+            sampler.wait_grammar_masks(sampler.grammar_masks_ahead(states))
+            assert all(s.grammar._mask is not None for s in states)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_constraints_are_errors(llm) -> None:
     for so, needle in [
         (StructuredOutputsParams(json={"type": "objectx"}), "JSON schema is invalid"),
