@@ -104,6 +104,32 @@ def test_required_calls_always_parse_and_validate(client: openai.OpenAI, seed: i
         _check_call(call)
 
 
+def _tool(name: str, properties: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": properties, "required": list(properties)}}}
+
+
+BOOK = _tool("book", {"day": {"type": "string", "format": "date"}, "host": {"type": "string", "format": "ipv4"},
+                      "ref": {"type": "string", "format": "uuid"}, "at": {"type": "string", "format": "time"}})
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_required_call_string_formats_hold(client: openai.OpenAI, seed: int) -> None:
+    """qwen3_coder writes strings raw: the call grammar enforces their formats itself."""
+    import datetime
+    import ipaddress
+    import uuid
+
+    r = client.chat.completions.create(model="tiny", messages=USER, tools=[BOOK], tool_choice="required",
+                                       max_tokens=200, temperature=1.0, seed=seed, extra_body=NO_THINK,
+                                       parallel_tool_calls=False)
+    args = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+    datetime.date.fromisoformat(args["day"])
+    ipaddress.IPv4Address(args["host"])
+    uuid.UUID(args["ref"])
+    datetime.time.fromisoformat(args["at"])
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_parallel_required_calls_each_validate(client: openai.OpenAI, seed: int) -> None:
     r = client.chat.completions.create(
@@ -189,6 +215,8 @@ def test_invalid_schema_and_grammar_are_400(client: openai.OpenAI) -> None:
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
         ({"tool_choice": "required"}, "needs tools"),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [_tool("book", {"ref": {"type": "string", "format": "iri"}})], "tool_choice": "required"},
+         "tool 'book', parameter 'ref': string format 'iri' is not supported"),
     ]
     for extra, needle in cases:
         with pytest.raises(openai.BadRequestError) as e:
@@ -235,6 +263,26 @@ def test_streamed_calls_equal_non_streamed(client: openai.OpenAI, choice: object
     assert [(c["name"], c["arguments"]) for c in streamed] == [
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls
     ]
+
+
+def test_streamed_arguments_arrive_while_the_call_is_generated(client: openai.OpenAI) -> None:
+    """With logprobs every token has its chunk, so the order shows when the call's fragments came: the
+    header and first argument while later arguments were still being generated, not all at the end."""
+    kwargs = dict(model="tiny", messages=USER, tools=[WEATHER], tool_choice="required", max_tokens=200,
+                  temperature=0, logprobs=True, extra_body=NO_THINK)
+    order, fragments = [], []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):  # type: ignore[call-overload]
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                order.append("call")
+                fragments.append(d.function.arguments)
+            if ch.logprobs and ch.logprobs.content:
+                order.append("token")
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls  # type: ignore[call-overload]
+    assert "".join(fragments) == whole[0].function.arguments
+    first, last = order.index("call"), len(order) - 1 - order[::-1].index("call")
+    assert "token" in order[first:last], order  # tokens were generated between the call's first and last delta
+    assert len(json.loads(whole[0].function.arguments)) >= 2 and fragments.count("{") == 1
 
 
 def test_tool_round_trip_with_reasoning(client: openai.OpenAI) -> None:

@@ -114,6 +114,58 @@ def test_mtp_speculation_keeps_the_constraint(llm, llm_mtp) -> None:
             assert so.json_object, (so, o.outputs[0].text)
 
 
+def test_argmax_checks_agree_with_the_mask(llm) -> None:
+    """Along real constrained outputs: a greedy row keeps its argmax exactly when the mask allows it (every
+    token checked, so the shortcut equals the masked argmax; llguidance's validate_tokens admits tokens its
+    mask leaves out, which once made MTP verify rows and plain rows disagree), and the masks computed ahead
+    for a batch in one llguidance call equal the ones each matcher computes alone."""
+    from deltaserve.engine.structured import compute_masks_ahead
+
+    kinds = [so for so in _kinds() if so is not None]
+    outs = llm.generate([PROMPTS[i % 4] for i in range(len(kinds))], [_params(so) for so in kinds], use_tqdm=False)
+    eos = llm.engine.eos_token_ids
+    vocab = llm.engine.model_config.vocab_size
+    for so, o in zip(kinds, outs, strict=True):
+        grammar = llm.engine.grammars.compile(so)
+        toks = list(o.outputs[0].token_ids)
+        positions = range(0, len(toks), max(len(toks) // 6, 1))
+        ahead = [grammar.matcher() for _ in positions]
+        compute_masks_ahead(ahead, [toks[:i] for i in positions])
+        for m_ahead, i in zip(ahead, positions, strict=True):
+            alone = grammar.matcher()
+            assert alone.sync(toks[:i])
+            mask = alone.mask()
+            assert (m_ahead.mask() == mask).all(), (so, i)
+            # an id that ends the sequence is allowed exactly when the grammar may end
+            ids = [alone.eos_token_id if t in eos else t for t in range(vocab)]
+            assert [alone.allows(t, eos) for t in range(vocab)] == [bool((int(mask[t >> 5]) >> (t & 31)) & 1)
+                                                                    for t in ids], (so, i)
+            assert alone.allows(eos[0], eos) == alone.matcher.is_accepting()
+
+
+def test_masks_ahead_only_with_a_spare_core(llm) -> None:
+    """The worker computes the masks ahead when the forward's threads leave a core free (the suite runs one
+    thread), and stays out of the way when they use every core."""
+    import torch
+
+    from deltaserve.engine.sampler import make_sampling_state
+    from deltaserve.engine.threads import physical_cores
+
+    sampler = llm.engine.runner.sampler
+    grammar = llm.engine.grammars.compile(StructuredOutputsParams(json=SCHEMA))
+    states = [make_sampling_state(_params(None), [1, 2], grammar=grammar) for _ in range(4)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(physical_cores())
+        assert sampler.grammar_masks_ahead(states) is None
+        torch.set_num_threads(1)
+        if physical_cores() > 1:
+            sampler.wait_grammar_masks(sampler.grammar_masks_ahead(states))
+            assert all(s.grammar._mask is not None for s in states)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_constraints_are_errors(llm) -> None:
     for so, needle in [
         (StructuredOutputsParams(json={"type": "objectx"}), "JSON schema is invalid"),

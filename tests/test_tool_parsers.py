@@ -1,6 +1,6 @@
 """The tool-call parsers on the real Qwen3.5 (qwen3_coder) and Qwen3 (hermes) formats: types from the
-schema, nested JSON, multi-line strings, calls after reasoning, malformed calls, and streaming split at
-every position giving exactly the non-streamed result."""
+schema, nested JSON, multi-line strings, calls after reasoning, malformed calls, streaming split at
+every position giving exactly the non-streamed result, and arguments streamed as they complete."""
 
 from __future__ import annotations
 
@@ -65,8 +65,12 @@ def test_malformed_call_stays_text(bad: str) -> None:
     assert calls == [] and content == "Hi " + bad
 
 
-def test_hermes_malformed_json_stays_text() -> None:
-    bad = '<tool_call>\n{"name": "plan", "arguments": {"city": }\n</tool_call>'
+@pytest.mark.parametrize("bad", [
+    '<tool_call>\n{"name": "plan", "arguments": {"city": }\n</tool_call>',
+    '<tool_call>\n{"name": "pl\\qan", "arguments": {"city": "P"}}\n</tool_call>',  # not JSON escapes
+    '<tool_call>\n{"name": "plan", "arguments": {"ci\\qty": "P"}}\n</tool_call>',
+])
+def test_hermes_malformed_json_stays_text(bad: str) -> None:
     assert extract_tool_calls(HermesToolParser(), SCHEMAS, bad) == (bad, [])
 
 
@@ -119,3 +123,68 @@ def test_parser_follows_the_template() -> None:
     assert parser_for_template("{{- '<tool_call>\\n<function=' + name }}") == "qwen3_coder"
     assert parser_for_template('<tool_call>\\n{"name": <function-name>}') == "hermes"
     assert parser_for_template("{{ messages }}") is None
+
+
+def _arrivals(parser, text: str) -> tuple[list[tuple[int, dict]], str]:
+    """Feed text one character at a time: (position fed when each delta came, the content)."""
+    tools = StreamingToolParser(parser, SCHEMAS)
+    arrivals, content = [], ""
+    for i in range(len(text)):
+        d = tools.feed(text[i], final=i == len(text) - 1)
+        arrivals += [(i + 1, delta) for delta in d.tool_calls]
+        content += d.content
+    return arrivals, content
+
+
+@pytest.mark.parametrize("parser, call", [(Qwen3CoderToolParser(), QWEN), (HermesToolParser(), HERMES)])
+def test_arguments_stream_as_they_complete(parser, call: str) -> None:
+    """The header, then each argument the moment it is complete, long before the block ends; at every
+    moment the arguments sent so far are a prefix of the final ones."""
+    arrivals, content = _arrivals(parser, call)
+    assert content == ""
+    expected = json.dumps(ARGS, ensure_ascii=False)
+    assert "".join(d["function"]["arguments"] for _, d in arrivals) == expected
+    header = arrivals[0][1]
+    assert header["id"] and header["function"] == {"name": "plan", "arguments": ""}
+    members = [(at, d["function"]["arguments"]) for at, d in arrivals[1:] if d["function"]["arguments"] not in "{}"]
+    assert [m for _, m in members] == [f"{', ' if i else ''}{json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}"
+                                       for i, (k, v) in enumerate(ARGS.items())]
+    # each argument arrives on its own, right after its text is complete (qwen3_coder: its </parameter>;
+    # hermes: the comma or brace after its value), and the first before the block ends
+    ends = ([call.index("</parameter>", call.index(f"<parameter={k}>")) + len("</parameter>") for k in ARGS]
+            if isinstance(parser, Qwen3CoderToolParser) else None)
+    if ends is not None:
+        assert [at for at, _ in members] == ends
+    assert len({at for at, _ in members}) == len(ARGS)
+    assert arrivals[0][0] == members[0][0] < members[-1][0] < len(call) == arrivals[-1][0]
+
+
+@pytest.mark.parametrize("text, args, rest", [
+    ("<tool_call>\n<function=plan>\n<parameter=city>\nParis\n</parameter>\nstray\n</function>\n</tool_call>",
+     {"city": "Paris"}, "\nstray\n</function>\n</tool_call>"),
+    ("<tool_call>\n<function=plan>\n<parameter=city>\nParis\n</parameter>\n<parameter=city>\nLima\n</parameter>\n"
+     "</function>\n</tool_call>", {"city": "Paris"},
+     "\n<parameter=city>\nLima\n</parameter>\n</function>\n</tool_call>"),  # a repeated argument
+    ("<tool_call>\n<function=plan>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3",
+     {"city": "Paris"}, "\n<parameter=days>\n3"),  # cut off by max_tokens
+])
+def test_call_broken_after_an_argument_keeps_what_was_sent(text: str, args: dict, rest: str) -> None:
+    """Sent arguments cannot be taken back: the call ends with them, the unread rest is content, and the
+    non-streamed result is the same."""
+    parser = Qwen3CoderToolParser()
+    content, calls = extract_tool_calls(parser, SCHEMAS, text)
+    assert (content, [(c.name, c.arguments) for c in calls]) == (rest, [("plan", args)])
+    for cut in range(1, len(text)):
+        _, c, deltas = _stream(parser, text, [cut])
+        assert (c, _calls_of(deltas)) == (rest, [("plan", json.dumps(args))]), cut
+
+
+def test_hermes_other_layouts_are_read_whole() -> None:
+    """Keys in another order, or the arguments as a JSON string: one call when the block ends."""
+    for block in ['{"arguments": {"days": 2}, "name": "plan"}', '{"name": "plan", "arguments": "{\\"days\\": 2}"}']:
+        text = f"<tool_call>\n{block}\n</tool_call>"
+        assert [(c.name, c.arguments) for c in extract_tool_calls(HermesToolParser(), SCHEMAS, text)[1]] == [
+            ("plan", {"days": 2})]
+        for cut in range(1, len(text)):
+            _, content, deltas = _stream(HermesToolParser(), text, [cut])
+            assert (content, _calls_of(deltas)) == ("", [("plan", '{"days": 2}')]), cut

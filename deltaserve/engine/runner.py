@@ -144,13 +144,12 @@ class ModelRunner:
                 request_ids.append(s.request.request_id)
         # None: every row samples (a decode-only step), and the heads take hidden as it is, without a copy
         row_index = None if len(rows) == len(input_ids) else torch.tensor(rows, dtype=torch.long)
-        if self.spec is None and row_index is not None:
-            # Only the sampled rows' hidden states are read (without speculation, whose MTP pass and verify
-            # read every row): the fused step's last layer skips the rest of its work for the others.
-            hidden = self.executor.forward(input_ids, ctx, row_index)  # [len(rows), H], the rows in order
-            row_index = None
-        else:
-            hidden = self.executor.forward(input_ids, ctx)  # [T, H]
+        # Structured outputs: the sampled rows' grammar masks are computed while the model runs
+        masks_ahead = self.sampler.grammar_masks_ahead(states)
+        try:
+            hidden, row_index = self._forward(input_ids, ctx, row_index)
+        finally:
+            self.sampler.wait_grammar_masks(masks_ahead)
         verified: dict[str, VerifyResult] = {}
         if verify_seqs:
             assert self.spec is not None
@@ -162,6 +161,16 @@ class ModelRunner:
         if self.spec is not None:
             out.drafts = self.spec.propose(hidden, ctx, self._draft_entries(sched, out), self.make_context)
         return out
+
+    def _forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, row_index: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final hidden rows, and the row index that selects the sampled ones among them."""
+        if self.spec is None and row_index is not None:
+            # Only the sampled rows' hidden states are read (without speculation, whose MTP pass and verify
+            # read every row): the fused step's last layer skips the rest of its work for the others.
+            return self.executor.forward(input_ids, ctx, row_index), None  # [len(rows), H], the rows in order
+        return self.executor.forward(input_ids, ctx), row_index  # [T, H]
 
     def _sample(self, hidden: torch.Tensor, row_index: torch.Tensor | None, states: list) -> SamplerOutput:
         tokens = self.head.plain_argmax(hidden, row_index, states, self.sampler)

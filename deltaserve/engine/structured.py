@@ -16,7 +16,12 @@ rejects leaves the rows after it unmasked; they are never used, because the row 
 (greedy argmax cannot pick it, rejection sampling accepts it with probability 0).
 
 A greedy row whose raw argmax the grammar allows keeps it: masking cannot change an argmax it keeps. Only
-the rows whose grammar refuses their argmax get logits and a mask (Sampler.fix_grammar_argmax)."""
+the rows whose grammar refuses their argmax get logits and a mask (Sampler.fix_grammar_argmax).
+
+The runner hides the grammar's work behind the forward: while the model runs (without the GIL), a worker
+thread syncs every sampled row's matcher and computes its mask in one batched llguidance call
+(compute_masks_ahead; llguidance drops the GIL too). A matcher keeps that mask while its tokens do not
+change, so after the forward, checking an argmax is a bit lookup and masking a row is a copy."""
 
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ class GrammarError(ValueError):
     """A schema, regex or grammar llguidance cannot compile; the message says which and why."""
 
 
-def _llguidance() -> Any:
+def llguidance_module() -> Any:
     import llguidance  # imported on first use: plain requests never pay for it
 
     return llguidance
@@ -72,7 +77,7 @@ def json_schema_lark(schema: dict[str, Any] | bool) -> str:
 
 def _body_lark(spec: StructuredOutputsParams) -> str:
     """The constraint's own Lark grammar (a `start` rule)."""
-    llg = _llguidance()
+    llg = llguidance_module()
     if spec.json is not None:
         schema = spec.json
         if isinstance(schema, str):
@@ -118,8 +123,8 @@ class CompiledGrammar:
 
     def matcher(self) -> GrammarMatcher:
         if self._prototype is None:
-            self._prototype = _llguidance().LLMatcher(self.lltokenizer, self.grammar, log_level=0)
-        return GrammarMatcher(self._prototype.deep_copy(), self.lltokenizer.eos_token)
+            self._prototype = llguidance_module().LLMatcher(self.lltokenizer, self.grammar, log_level=0)
+        return GrammarMatcher(self._prototype.deep_copy(), self.lltokenizer.eos_token, self.lltokenizer.vocab_size)
 
 
 class GrammarCompiler:
@@ -142,7 +147,7 @@ class GrammarCompiler:
                 raise GrammarError("structured outputs need the model's tokenizer, and this model has none")
             # The tokenizer's own EOS is the grammar's end; the engine's other stop ids follow it (below).
             eos = (self.tokenizer.eos_token_ids or self.eos_token_ids)[:1] or None
-            self._lltokenizer = _llguidance().LLTokenizer(
+            self._lltokenizer = llguidance_module().LLTokenizer(
                 self.tokenizer.to_json(), n_vocab=self.vocab_size, eos_token=eos
             )
         return self._lltokenizer
@@ -162,7 +167,7 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
-        llg = _llguidance()
+        llg = llguidance_module()
         body = _body_lark(spec)
         if spec.reasoning_end:
             # Free reasoning up to its end marker, then up to two newlines, then the constraint.
@@ -188,10 +193,13 @@ class GrammarMatcher:
 
     matcher: Any
     eos_token_id: int  # the grammar's end token
+    vocab_size: int  # the mask's width in tokens
     tokens: list[int] = field(default_factory=list)
     # The list last synced to. A request's own output list only ever grows (the engine appends to it), so
     # when it comes again its first len(tokens) entries need no comparing.
     _source: Any = None
+    # The next-token bitmask at exactly `tokens`, once computed; None whenever the matcher moves.
+    _mask: np.ndarray | None = None
 
     def sync(self, tokens: Sequence[int]) -> bool:
         """Bring the matcher to exactly `tokens` (the sequence's output so far); False when the grammar
@@ -207,47 +215,102 @@ class GrammarMatcher:
         if common < len(self.tokens):
             self.matcher.rollback(len(self.tokens) - common)
             del self.tokens[common:]
+            self._mask = None
         self._source = tokens
         if len(tokens) == common:
             return True
+        self._mask = None
         new = list(tokens[common:])
         taken = self.matcher.try_consume_tokens(new)
         self.tokens.extend(new[:taken])
         return taken == len(new)
 
     def allows(self, token: int, eos_token_ids: Sequence[int]) -> bool:
-        """Whether the grammar can take `token` next (an id that ends the sequence: whether it may end)."""
-        if token in eos_token_ids or token == self.eos_token_id:
-            return bool(self.matcher.is_accepting())
-        return self.matcher.validate_tokens([token]) == 1
+        """Whether the mask at the matcher's position allows `token` (an id that ends the sequence: whether
+        the grammar may end). The mask, not validate_tokens: llguidance's validate_tokens admits some tokens
+        its mask leaves out, and every path must agree with the masked argmax."""
+        if token in eos_token_ids:
+            token = self.eos_token_id  # the mask allows the grammar's end token exactly when it may end
+        return bool((int(self.mask()[token >> 5]) >> (token & 31)) & 1)
+
+    def mask(self) -> np.ndarray:
+        """The next-token bitmask at the matcher's position (int32 words, llguidance's layout), computed once
+        per position (compute_masks_ahead computes it for many matchers at once)."""
+        if self._mask is None:
+            from llguidance.torch import fill_next_token_bitmask
+
+            bitmask = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+            fill_next_token_bitmask(self.matcher, bitmask, 0)
+            self._mask = bitmask.numpy()[0]
+        return self._mask
+
+
+_mask_executor: Any = None
+
+
+def compute_masks_ahead(matchers: Sequence[GrammarMatcher], outputs: Sequence[Sequence[int]]) -> None:
+    """Sync each matcher to its sequence and compute its next-token mask, all rows in one llguidance call
+    (which drops the GIL), so the sampler finds them ready. The runner calls it on a worker thread during
+    the forward; nothing else may touch these matchers until it returns. A matcher that the grammar
+    rejected its sequence at gets no mask (its row is never used)."""
+    global _mask_executor
+    from llguidance.torch import fill_next_token_bitmask_par
+
+    live: list[GrammarMatcher] = []
+    seen: set[int] = set()
+    for m, out in zip(matchers, outputs, strict=True):
+        if id(m) not in seen and m.sync(out) and m._mask is None:
+            seen.add(id(m))
+            live.append(m)
+    if not live:
+        return
+    if _mask_executor is None:
+        # One llguidance thread: masks take microseconds each, and the forward has the cores.
+        _mask_executor = llguidance_module().LLExecutor(num_threads=1)
+    bitmask = torch.full((len(live), (live[0].vocab_size + 31) // 32), -1, dtype=torch.int32)
+    fill_next_token_bitmask_par(_mask_executor, [(m.matcher, i) for i, m in enumerate(live)], bitmask)
+    words = bitmask.numpy()
+    for i, m in enumerate(live):
+        m._mask = words[i]
+
+
+def row_masks(matchers: Sequence[GrammarMatcher], outputs: Sequence[Sequence[int]]) -> list[np.ndarray | None]:
+    """Each row's mask at its sequence; None for an unreachable row (the grammar rejected a token of its
+    sequence, a rejected draft before it: nothing reads the row). The verify rows of one speculating
+    request share a matcher: each row's mask is taken right after syncing it (a matcher makes a new array
+    when it moves, so the ones taken stay valid)."""
+    return [m.mask() if m.sync(out) else None for m, out in zip(matchers, outputs, strict=True)]
+
+
+def refused_rows(masks: Sequence[np.ndarray | None], tokens: Sequence[int], grammar_eos: int,
+                 eos_token_ids: Sequence[int]) -> list[int]:
+    """The reachable rows whose mask refuses their token (an id that ends the sequence stands for the
+    grammar's end token). A Python loop: numpy's per-call overhead is more than this work at 32 rows."""
+    ends = set(eos_token_ids)
+    refused = []
+    for r, (mask, t) in enumerate(zip(masks, tokens, strict=True)):
+        if mask is None:
+            continue
+        if t in ends:
+            t = grammar_eos
+        if not (mask.item(t >> 5) >> (t & 31)) & 1:
+            refused.append(r)
+    return refused
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher],
                         outputs: list[Sequence[int]], eos_token_ids: Sequence[int], greedy: list[bool]) -> None:
-    """Masks (to -inf) each listed row's tokens its grammar cannot take next, in place.
-
-    A greedy row whose argmax the grammar allows is left as it is: the masked row's argmax is that same
-    token, so the mask (tens of microseconds a row) is not needed. Other rows get the full mask, row by
-    row (llguidance's batched LLExecutor measured slower at one thread: 1.46 against 0.24 ms for 32)."""
-    from llguidance.torch import fill_next_token_bitmask
-
-    vocab = logits.shape[1]
-    greedy_rows = [row for row, g in zip(rows, greedy, strict=True) if g]
-    argmax = iter(logits[greedy_rows].argmax(dim=-1).tolist() if greedy_rows else [])
-    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
-    need: list[int] = []
-    for r, (m, out) in enumerate(zip(matchers, outputs, strict=True)):
-        top = next(argmax) if greedy[r] else None
-        if not m.sync(out):
-            continue  # an unreachable row (a rejected draft before it): leave it as it is
-        if top is not None and m.allows(top, eos_token_ids):
-            continue
-        # Now, while the matcher is at this row's tokens: the verify rows of one request share it.
-        fill_next_token_bitmask(m.matcher, bitmask, len(need))
-        need.append(r)
+    """Masks (to -inf) each listed row's tokens its grammar cannot take next, in place. A greedy row whose
+    argmax the grammar allows is left as it is (the masked row's argmax is that same token); so is an
+    unreachable row."""
+    masks = row_masks(matchers, outputs)
+    grammar_eos = matchers[0].eos_token_id
+    top = logits[rows].argmax(dim=-1).tolist()
+    refused = set(refused_rows(masks, top, grammar_eos, eos_token_ids))
+    need = [r for r, mask in enumerate(masks) if mask is not None and (not greedy[r] or r in refused)]
     if not need:
         return
-    bias = _refusal_bias(bitmask[: len(need)], vocab, matchers[need[0]].eos_token_id, eos_token_ids)
+    bias = _refusal_bias(np.stack([masks[r] for r in need]), logits.shape[1], grammar_eos, eos_token_ids)
     idx = [rows[r] for r in need]
     if idx == list(range(logits.shape[0])):
         logits.add_(bias)
@@ -255,26 +318,20 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list[Gr
         logits[idx] += bias
 
 
-def masked_argmax(logits: torch.Tensor, matchers: list[GrammarMatcher], outputs: list[Sequence[int]],
+def masked_argmax(logits: torch.Tensor, masks: Sequence[np.ndarray], grammar_eos: int,
                   eos_token_ids: Sequence[int]) -> list[int]:
-    """Each row's argmax among the tokens its grammar allows (greedy rows with nothing else to process,
-    whose raw argmax the grammar refused: the sampler's result for them, without its other stages)."""
-    from llguidance.torch import fill_next_token_bitmask
-
-    bitmask = torch.full((len(matchers), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
-    for k, (m, out) in enumerate(zip(matchers, outputs, strict=True)):
-        m.sync(out)  # (rows of one speculating request share a matcher: fill right after syncing)
-        fill_next_token_bitmask(m.matcher, bitmask, k)
-    bias = _refusal_bias(bitmask, logits.shape[1], matchers[0].eos_token_id, eos_token_ids)
+    """Each row's argmax among the tokens its mask allows (greedy rows with nothing else to process, whose
+    raw argmax the grammar refused: the sampler's result for them, without its other stages)."""
+    bias = _refusal_bias(np.stack(masks), logits.shape[1], grammar_eos, eos_token_ids)
     return (logits + bias).argmax(dim=-1).tolist()
 
 
-def _refusal_bias(bitmask: torch.Tensor, vocab: int, grammar_eos: int, eos_token_ids: Sequence[int]) -> torch.Tensor:
+def _refusal_bias(bitmask: np.ndarray, vocab: int, grammar_eos: int, eos_token_ids: Sequence[int]) -> torch.Tensor:
     """[rows, vocab] float32: 0 where the grammar allows the token, -inf where it refuses it. Each byte of
     the bitmask (8 tokens, little-endian bits) looks up its 8 biases at once: no branch per token (masked_fill
     with a mask this irregular measured 450 us for 6 x 8192)."""
     rows = bitmask.shape[0]
-    bias = _BYTE_BIAS[bitmask.numpy().view(np.uint8)].reshape(rows, -1)[:, :vocab]
+    bias = _BYTE_BIAS[bitmask.view(np.uint8)].reshape(rows, -1)[:, :vocab]
     # Every id that ends the sequence is allowed exactly when the grammar may end (a checkpoint's EOS id
     # can also be an ordinary token of the tokenizer: it must not end the output early).
     eos = [t for t in eos_token_ids if 0 <= t < vocab]

@@ -3,8 +3,10 @@ that admits exactly the calls the parser reads, in the parser's format, with arg
 tool's parameters schema (required parameters always, optional ones may be left out).
 
 qwen3_coder writes values as raw text: a string parameter is free text that cannot contain the
-`\\n</parameter>\\n` closing it (its enum, const, pattern, minLength and maxLength are kept); any other type
-is JSON for its schema. hermes writes the arguments as one JSON object for the parameters schema. Both
+`\\n</parameter>\\n` closing it, and meets all of its const, enum, pattern, minLength, maxLength and format
+(the formats llguidance's JSON schemas support, as raw-text regexes here: a string's value is not quoted
+JSON, so llguidance's own do not apply); a keyword it cannot enforce is an error. Any other type is JSON
+for its schema. hermes writes the arguments as one JSON object for the parameters schema. Both
 admit the declared parameters only (a schema that says additionalProperties otherwise keeps it in hermes)."""
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from deltaserve.engine.structured import json_schema_lark, lark_text
+from deltaserve.engine.structured import json_schema_lark, lark_text, llguidance_module
 from deltaserve.serve.tool_parsers import CALL_END, CALL_START, HermesToolParser
 
 _PARAM_END = "\n</parameter>\n"
@@ -23,19 +25,66 @@ class ToolGrammarError(ValueError):
     """A tool's schema this grammar cannot enforce; the message names the tool and parameter."""
 
 
-def _string_value_regex(schema: dict[str, Any]) -> str:
-    """The regex of a string parameter's raw value (before its closing tag)."""
+_HEX4 = "[0-9a-fA-F]{1,4}"
+_LABEL = "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DATE = ("[0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+         "|02-(0[1-9]|1[0-9]|2[0-8]))")  # (February 29th left out: which years have one is no regex's)
+_TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_HOSTNAME = f"{_LABEL}(\\.{_LABEL})*"
+# Each a subset of its format's values (so what the grammar lets through always validates), in the syntax
+# llguidance's regexes take (no lookaround; & and ~ are Lark's, below).
+_FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": f"{_DATE}T{_TIME}",
+    # at least one part, and a T only before a time part
+    "duration": ("P([0-9]+W|([0-9]+Y([0-9]+M)?([0-9]+D)?|[0-9]+M([0-9]+D)?|[0-9]+D)(T_)?|T_)"
+                 .replace("T_", "T([0-9]+H([0-9]+M)?([0-9]+S)?|[0-9]+M([0-9]+S)?|[0-9]+S)")),
+    "email": f"[A-Za-z0-9!#$%&'*+/=?^_`{{|}}~-]+(\\.[A-Za-z0-9!#$%&'*+/=?^_`{{|}}~-]+)*@{_HOSTNAME}",
+    "hostname": _HOSTNAME,
+    "ipv4": "((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
+    "ipv6": "|".join([
+        f"({_HEX4}:){{7}}{_HEX4}", f"({_HEX4}:){{1,7}}:", f"({_HEX4}:){{1,6}}:{_HEX4}",
+        *(f"({_HEX4}:){{1,{6 - k}}}(:{_HEX4}){{1,{k + 1}}}" for k in range(1, 6)),
+        f":((:{_HEX4}){{1,7}}|:)",
+    ]),
+    "uuid": "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "uri": "[A-Za-z][A-Za-z0-9+.-]*:([A-Za-z0-9._~:/?#@!$&'()*+,;=\\[\\]-]|%[0-9A-Fa-f]{2})+",
+}
+# Keywords that constrain a string and that this grammar cannot enforce (annotations and unknown
+# keywords are ignored, as JSON Schema says)
+_UNENFORCEABLE = ("allOf", "anyOf", "oneOf", "not", "$ref", "if", "then", "else", "contentSchema")
+
+
+def _string_value_regexes(where: str, schema: dict[str, Any]) -> list[str]:
+    """Regexes a string parameter's raw value must match, all of them (before its closing tag)."""
+    for keyword in _UNENFORCEABLE:
+        if keyword in schema:
+            raise ToolGrammarError(f"{where}: {keyword!r} on a string parameter is not supported")
+    out = []
     if "const" in schema:
-        return re.escape(str(schema["const"]))
+        out.append(re.escape(str(schema["const"])))
     if "enum" in schema:
-        return "(" + "|".join(re.escape(str(e)) for e in schema["enum"]) + ")"
+        out.append("(" + "|".join(re.escape(str(e)) for e in schema["enum"]) + ")")
     if "pattern" in schema:
         p = schema["pattern"]
-        return p[1:] if p.startswith("^") else p  # the value is matched whole
+        if not isinstance(p, str):
+            raise ToolGrammarError(f"{where}: pattern must be a string")
+        # A search, as JSON Schema's (and llguidance's, for hermes): free text where it is not anchored
+        anchored_start = p.startswith("^")
+        anchored_end = p.endswith("$") and not p.endswith("\\$")
+        core = p[1 if anchored_start else 0 : len(p) - 1 if anchored_end else len(p)]
+        out.append(f"{'' if anchored_start else '(?s:.*)'}(?:{core}){'' if anchored_end else '(?s:.*)'}")
+    if "format" in schema:
+        fmt = schema["format"]
+        if fmt not in _FORMATS:
+            raise ToolGrammarError(f"{where}: string format {fmt!r} is not supported; the supported ones are "
+                                   + ", ".join(_FORMATS))
+        out.append(_FORMATS[fmt])
     lo, hi = schema.get("minLength"), schema.get("maxLength")
     if lo is not None or hi is not None:
-        return f"(?s:.{{{int(lo or 0)},{'' if hi is None else int(hi)}}})"
-    return "(?s:.*)"
+        out.append(f"(?s:.{{{int(lo or 0)},{'' if hi is None else int(hi)}}})")
+    return out or ["(?s:.*)"]
 
 
 def _is_string(schema: dict[str, Any]) -> bool:
@@ -59,11 +108,11 @@ def _qwen3_coder_call(tokenizer: Any, name: str, params: dict[str, Any], idx: in
         opener = json.dumps(f"<parameter={key}>\n")
         if _is_string(schema):
             term = f"STR_{idx}_{k}"
-            value = _string_value_regex(schema)
-            # The value and its closing tag are one lexeme, so where the value ends is never ambiguous.
-            rules.append(
-                f"{term}: /{value}\\n<\\/parameter>\\n/ & ~/(?s:.*)\\n<\\/parameter>\\n(?s:.+)/"
-            )
+            values = _string_value_regexes(f"tool {name!r}, parameter {key!r}", schema)
+            # The value and its closing tag are one lexeme, so where the value ends is never ambiguous; it
+            # meets every constraint (Lark's & of regexes).
+            ends = [f"/{llguidance_module().regex_to_lark(f'(?:{v})')}\\n<\\/parameter>\\n/" for v in values]
+            rules.append(f"{term}: {' & '.join(ends)} & ~/(?s:.*)\\n<\\/parameter>\\n(?s:.+)/")
             body = f"{opener} {term}"
         else:
             body = f"{opener} {json_schema_lark(schema)} {json.dumps(_PARAM_END)}"

@@ -8,9 +8,15 @@ qwen3_coder values are raw text; each is converted to the JSON type the tool's s
 (a string stays as written; integers, numbers, booleans, null, objects and arrays are decoded).
 
 One streaming implementation serves both modes (the non-streamed result is the stream fed the whole text),
-so streamed and non-streamed calls agree by construction. A call is emitted once its block is complete
-and parses: first a delta with index, id, type and name, then the arguments in fragments (one per
-parameter) whose concatenation is the call's arguments. A block that does not parse stays text."""
+so streamed and non-streamed calls agree by construction. A call streams as it is generated: once its
+first argument is complete (or, without arguments, once its block is), a delta with index, id, type and
+name, then `{` and that argument, then each further argument the moment it is complete (as vLLM's
+qwen3_coder parser does, a value streams once whole: its JSON type is known only then), then `}` when
+the block ends. The fragments joined are exactly the call's arguments (json.dumps of them).
+
+A block that goes wrong before its first argument is complete stays text. One that goes wrong after it
+(text between arguments, a repeated argument, no proper end) cannot take back what was sent: its call
+ends with the arguments read so far, and the rest of the block is content."""
 
 from __future__ import annotations
 
@@ -43,12 +49,23 @@ class ToolCall:
 
 def argument_fragments(arguments: dict[str, Any]) -> list[str]:
     """The arguments' JSON in pieces (`{`, one per key, `}`); joined, exactly json.dumps(arguments)."""
-    pieces = ["{"]
-    for i, (k, v) in enumerate(arguments.items()):
-        key, value = json.dumps(k, ensure_ascii=False), json.dumps(v, ensure_ascii=False)
-        pieces.append(f"{', ' if i else ''}{key}: {value}")
-    pieces.append("}")
-    return pieces
+    return ["{", *(_member_fragment(i, k, v) for i, (k, v) in enumerate(arguments.items())), "}"]
+
+
+def _member_fragment(i: int, key: str, value: Any) -> str:
+    """Argument number i as json.dumps writes it inside the object (after `{`)."""
+    return f"{', ' if i else ''}{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+
+
+@dataclass(slots=True)
+class BlockScan:
+    """What a call block's text (between `<tool_call>` and `</tool_call>`, possibly still growing) gives so
+    far. Only complete pieces count, so a longer text never changes what a shorter one gave."""
+
+    name: str | None = None  # None until the function's name is complete
+    members: list[tuple[str, Any]] = field(default_factory=list)  # complete arguments, in order, no repeats
+    members_end: int = 0  # where the text after the last complete argument starts
+    complete: bool = False  # the text after the arguments is the block's proper end
 
 
 def tool_schemas(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
@@ -67,12 +84,21 @@ class ToolParser:
 
     name: ClassVar[str]
 
-    def parse_block(self, block: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
+    def scan(self, block: str, schemas: dict[str, dict[str, Any]]) -> BlockScan:
+        """The call's name and complete arguments so far, in the format's usual layout."""
         raise NotImplementedError
 
+    def parse_block(self, block: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
+        """The whole block as a call, or None when it is not one."""
+        scan = self.scan(block, schemas)
+        if scan.name is None or not scan.complete:
+            return None
+        return ToolCall(scan.name, dict(scan.members))
 
-_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?(.*?)</function>\s*", re.S)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>\s*", re.S)
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?")
+_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+_FUNCTION_END = re.compile(r"\s*</function>\s*")
 
 
 def _string_enum(schema: dict[str, Any] | None) -> bool:
@@ -108,30 +134,82 @@ def convert_value(raw: str, schema: dict[str, Any] | None) -> Any:
 class Qwen3CoderToolParser(ToolParser):
     name = "qwen3_coder"
 
-    def parse_block(self, block: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
-        m = _FUNCTION.fullmatch(block)
+    def scan(self, block: str, schemas: dict[str, dict[str, Any]]) -> BlockScan:
+        m = _FUNCTION.match(block)
         if m is None:
-            return None
-        name, body = m.group(1).strip(), m.group(2)
-        props = (schemas.get(name) or {}).get("properties") or {}
-        args: dict[str, Any] = {}
-        pos = 0
-        for p in _PARAMETER.finditer(body):
-            if body[pos : p.start()].strip():
-                return None  # text between parameters: not this format
+            return BlockScan()
+        out = BlockScan(name=m.group(1).strip(), members_end=m.end())
+        props = (schemas.get(out.name) or {}).get("properties") or {}
+        props = props if isinstance(props, dict) else {}
+        seen: set[str] = set()
+        while (p := _PARAMETER.match(block, out.members_end)) is not None:
             key = p.group(1).strip()
-            args[key] = convert_value(p.group(2), props.get(key) if isinstance(props, dict) else None)
-            pos = p.end()
-        if body[pos:].strip():
-            return None
-        return ToolCall(name, args)
+            if key in seen:
+                break  # a repeated argument: not a call's arguments
+            seen.add(key)
+            out.members.append((key, convert_value(p.group(2), props.get(key))))
+            out.members_end = p.end()
+        out.complete = _FUNCTION_END.fullmatch(block, out.members_end) is not None
+        return out
+
+
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{')
+_JSON_KEY = re.compile(r'\s*("(?:[^"\\]|\\.)*")\s*:\s*')
+_HERMES_END = re.compile(r"\s*\}\s*\}\s*")
+_COMMA = re.compile(r"\s*,")
+_JSON = json.JSONDecoder()
+
+
+def _json_string(quoted: str) -> str | None:
+    """A quoted JSON string's value; None if its escapes are not JSON's."""
+    try:
+        return json.loads(quoted)
+    except json.JSONDecodeError:
+        return None
 
 
 class HermesToolParser(ToolParser):
     name = "hermes"
 
+    def scan(self, block: str, schemas: dict[str, dict[str, Any]]) -> BlockScan:
+        """Streams `{"name": NAME, "arguments": {...}}` (the template's layout) argument by argument;
+        any other layout is read whole when its block ends (parse_block)."""
+        m = _HERMES_HEAD.match(block)
+        name = None if m is None else _json_string(m.group(1))
+        if m is None or name is None:
+            return BlockScan()
+        out = BlockScan(name=name, members_end=m.end())
+        seen: set[str] = set()
+        while True:
+            pos = out.members_end
+            if out.members:
+                comma = _COMMA.match(block, pos)
+                if comma is None:
+                    break
+                pos = comma.end()
+            k = _JSON_KEY.match(block, pos)
+            if k is None:
+                break
+            try:
+                value, end = _JSON.raw_decode(block, k.end())
+            except json.JSONDecodeError:
+                break  # not complete yet, or not JSON
+            after = block[end:].lstrip()
+            key = _json_string(k.group(1))
+            # A number is complete only when something follows it; a repeated key is not a call's arguments
+            if not after or after[0] not in ",}" or key is None or key in seen:
+                break
+            seen.add(key)
+            out.members.append((key, value))
+            out.members_end = end
+        out.complete = _HERMES_END.fullmatch(block, out.members_end) is not None
+        return out
+
     def parse_block(self, block: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
-        try:
+        call = ToolParser.parse_block(self, block, schemas)
+        if call is not None:
+            return call
+        try:  # another layout: keys in another order, the arguments as a JSON string
             obj = json.loads(block)
         except json.JSONDecodeError:
             return None
@@ -172,7 +250,7 @@ class ToolDelta:
 class StreamingToolParser:
     """Splits the answer (the content after any reasoning) into content and tool calls as it streams.
     Whitespace right before a call (the template's `\\n\\n`) is not content; with parallel_tool_calls
-    false only the first call counts."""
+    false only the first call counts. `calls` holds the calls whose blocks have ended."""
 
     parser: ToolParser
     schemas: dict[str, dict[str, Any]]
@@ -180,6 +258,7 @@ class StreamingToolParser:
     calls: list[ToolCall] = field(default_factory=list)
     _buf: str = ""
     _space: str = ""  # whitespace before the block being read
+    _open: ToolCall | None = None  # the call being streamed (its block has not ended)
 
     def feed(self, delta: str, final: bool = False) -> ToolDelta:
         out = ToolDelta()
@@ -204,27 +283,56 @@ class StreamingToolParser:
                 self._buf = self._buf[start:]
                 continue
             end = self._buf.find(CALL_END)
+            inner = self._buf[len(CALL_START) : end if end != -1 else len(self._buf)]
+            counts = self.parallel or not self.calls  # (with parallel false, later calls are dropped)
+            scan = self.parser.scan(inner, self.schemas)
+            if counts and scan.members:
+                self._stream(scan, out)
             if end == -1 and not final:
                 break
             block_end = len(self._buf) if end == -1 else end + len(CALL_END)
-            inner = self._buf[len(CALL_START) : end if end != -1 else len(self._buf)]
-            call = self.parser.parse_block(inner, self.schemas)
-            if call is None:
-                out.content += self._space + self._buf[:block_end]  # malformed: it stays text
-            elif self.parallel or not self.calls:
-                self._emit(call, out)
+            if self._open is not None:
+                if not scan.complete:  # what was sent stays a call; the block's unread rest is content
+                    out.content += self._buf[len(CALL_START) + scan.members_end : block_end]
+                self._close(out)
+            else:
+                call = self.parser.parse_block(inner, self.schemas)
+                if call is None:
+                    out.content += self._space + self._buf[:block_end]  # malformed: it stays text
+                elif counts:
+                    self._open = call
+                    out.tool_calls.append(self._header(call))
+                    out.tool_calls += [self._fragment("{")] + [self._fragment(_member_fragment(i, k, v))
+                                                              for i, (k, v) in enumerate(call.arguments.items())]
+                    self._close(out)
             self._space = ""
             self._buf = self._buf[block_end:]
         return out
 
-    def _emit(self, call: ToolCall, out: ToolDelta) -> None:
-        index = len(self.calls)
-        self.calls.append(call)
-        out.tool_calls.append(
-            {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-        )
-        for piece in argument_fragments(call.arguments):
-            out.tool_calls.append({"index": index, "function": {"arguments": piece}})
+    def _stream(self, scan: BlockScan, out: ToolDelta) -> None:
+        """Send the arguments the block has completed since the last feed (the call's header first)."""
+        assert scan.name is not None
+        if self._open is None:
+            self._open = ToolCall(scan.name, {})
+            out.tool_calls += [self._header(self._open), self._fragment("{")]
+        args = self._open.arguments
+        for i in range(len(args), len(scan.members)):
+            key, value = scan.members[i]
+            args[key] = value
+            out.tool_calls.append(self._fragment(_member_fragment(i, key, value)))
+
+    def _header(self, call: ToolCall) -> dict[str, Any]:
+        return {"index": len(self.calls), "id": call.id, "type": "function",
+                "function": {"name": call.name, "arguments": ""}}
+
+    def _fragment(self, text: str) -> dict[str, Any]:
+        return {"index": len(self.calls), "function": {"arguments": text}}
+
+    def _close(self, out: ToolDelta) -> None:
+        assert self._open is not None
+        out.tool_calls.append(self._fragment("}"))
+        self.calls.append(self._open)
+        self._open = None
 
 
 def _trailing_space(text: str) -> int:

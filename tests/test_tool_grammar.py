@@ -1,0 +1,76 @@
+"""The qwen3_coder call grammar's string parameters (raw text, not JSON): every constraint of the schema
+holds together (const, enum, pattern as a search, lengths, format), each supported format admits its
+values and refuses others, and what it cannot enforce is an error naming the tool and parameter."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltaserve.assets import DEMO_DIR
+from deltaserve.engine.structured import GrammarCompiler
+from deltaserve.sampling import StructuredOutputsParams
+from deltaserve.serve.tool_grammar import ToolGrammarError, tool_call_grammar
+
+pytestmark = pytest.mark.skipif(not (DEMO_DIR / "tokenizer.json").exists(), reason="no demo tokenizer")
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    from deltaserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(DEMO_DIR)
+    return GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids)
+
+
+def _accepts(compiler: GrammarCompiler, schema: dict, value: str) -> bool:
+    """Whether the forced-call grammar of a tool with this one string parameter admits the value."""
+    params = {"type": "object", "properties": {"v": schema}, "required": ["v"]}
+    grammar = tool_call_grammar(compiler.tokenizer, "qwen3_coder", {"f": params}, parallel=False)
+    m = compiler.compile(StructuredOutputsParams(grammar=grammar)).matcher().matcher
+    ids = compiler.tokenizer.encode(f"<tool_call>\n<function=f>\n<parameter=v>\n{value}\n</parameter>\n</function>\n"
+                                    "</tool_call>")
+    return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+
+FORMATS = {
+    "date": (["2024-05-17", "1999-12-31"], ["2024-13-01", "2024-02-30", "May 17", "2024-5-17"]),
+    "time": (["12:30:00Z", "23:59:59.5+02:00"], ["24:00:00Z", "12:30", "12:30:00"]),
+    "date-time": (["2024-05-17T12:30:00Z"], ["2024-05-17 12:30:00Z", "2024-05-17"]),
+    "duration": (["P3D", "PT5M", "P1Y2M3DT4H5M6S", "P2W"], ["P", "PT", "P1DT", "3D"]),
+    "email": (["a.b@example.com"], ["a@", "@b.com", "a b@c.com"]),
+    "hostname": (["example.com", "a-b.c"], ["-a.com", "a..b", "a_b.com"]),
+    "ipv4": (["192.168.0.1"], ["256.1.1.1", "1.2.3"]),
+    "ipv6": (["::1", "2001:db8::8a2e:370:7334", "1:2:3:4:5:6:7:8"], ["1:2:3:4:5:6:7:8:9", "12345::", "g::1"]),
+    "uuid": (["123e4567-e89b-12d3-a456-426614174000"], ["123e4567e89b12d3a456426614174000"]),
+    "uri": (["https://example.com/a?b=c#d", "mailto:x@y.z"], ["example.com", "http://a b", "1http://x"]),
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_string_formats(compiler: GrammarCompiler, fmt: str) -> None:
+    good, bad = FORMATS[fmt]
+    assert [_accepts(compiler, {"type": "string", "format": fmt}, v) for v in good] == [True] * len(good)
+    assert [_accepts(compiler, {"type": "string", "format": fmt}, v) for v in bad] == [False] * len(bad)
+
+
+def test_constraints_hold_together(compiler: GrammarCompiler) -> None:
+    date_2024 = {"type": "string", "format": "date", "pattern": "^2024"}
+    assert _accepts(compiler, date_2024, "2024-05-17") and not _accepts(compiler, date_2024, "2023-05-17")
+    short_email = {"type": "string", "format": "email", "maxLength": 8}
+    assert _accepts(compiler, short_email, "a/b@c.de") and not _accepts(compiler, short_email, "ab@cdefgh.de")
+    # a pattern is a search, as in JSON Schema (and llguidance's JSON for hermes), unless anchored
+    assert _accepts(compiler, {"type": "string", "pattern": "a/b"}, "xa/by")
+    assert not _accepts(compiler, {"type": "string", "pattern": "^a/b$"}, "xa/by")
+    enum_len = {"type": "string", "enum": ["maybe so", "no"], "minLength": 3}
+    assert _accepts(compiler, enum_len, "maybe so") and not _accepts(compiler, enum_len, "no")
+
+
+@pytest.mark.parametrize("schema, needle", [
+    ({"type": "string", "format": "uri-reference"}, "string format 'uri-reference' is not supported"),
+    ({"type": "string", "anyOf": [{"maxLength": 2}]}, "'anyOf' on a string parameter is not supported"),
+    ({"type": "string", "pattern": 3}, "pattern must be a string"),
+])
+def test_what_cannot_be_enforced_is_an_error(compiler: GrammarCompiler, schema: dict, needle: str) -> None:
+    params = {"type": "object", "properties": {"when": schema}}
+    with pytest.raises(ToolGrammarError, match=f"tool 'f', parameter 'when': {needle}"):
+        tool_call_grammar(compiler.tokenizer, "qwen3_coder", {"f": params}, parallel=False)
