@@ -117,9 +117,11 @@ def test_replicated_kv_heads_tied_embeddings_and_the_plan(tmp_path: Path) -> Non
         assert_logits_close(logits_of_steps(one, mtp=False), logits_of_steps(two, mtp=False))
         assert greedy(two) == greedy(one)
         cfg = ModelConfig.from_file(path)
-        plan = plan_memory(cfg, MAX_LEN, SEQS, tp=2, block_size=BLOCK, dtype="float32")
+        snapshots = two.cache.prefix.snapshots.num_total  # prefix caching is on: each rank holds the entries
+        plan = plan_memory(cfg, MAX_LEN, SEQS, tp=2, block_size=BLOCK, dtype="float32", num_gdn_snapshots=snapshots)
         assert plan.rank.kv_heads == 1 and two.executor.cache_bytes_per_rank() == [plan.cache_bytes] * 2
-        assert plan.cache_bytes < plan_memory(cfg, MAX_LEN, SEQS, tp=1, block_size=BLOCK, dtype="float32").cache_bytes
+        one_rank = plan_memory(cfg, MAX_LEN, SEQS, tp=1, block_size=BLOCK, dtype="float32", num_gdn_snapshots=snapshots)
+        assert plan.cache_bytes < one_rank.cache_bytes
         weights = {p.data_ptr(): p.numel() * p.element_size() for p in two.model.parameters()}  # tied once
         assert sum(weights.values()) == plan.weight_bytes
 
