@@ -170,12 +170,12 @@ def load_model(
             + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
         )
 
-    # A rank reads only its part of each split tensor (a dense model: one whole parameter per tensor); fp8
-    # weights are read whole, since their scales come in blocks, and sliced once dequantized.
+    # A rank reads only its part of each split tensor, by the tensor's own name (one expert's, a fused GDN
+    # projection's); fp8 weights are read whole, since their scales come in blocks, and sliced once dequantized.
     parts = {}
     if shard.size > 1 and not fp8:
-        for n, (t,) in wanted.items():
-            if (part := rank_part(t.param, cfg, shard.rank, shard.size)) is not None:
+        for n in wanted:
+            if (part := rank_part(map_name(n), cfg, shard.rank, shard.size)) is not None:
                 parts[n] = part
     with torch.no_grad():
         for name, tensor in iter_tensors(path, names, list(wanted), parts):
@@ -187,8 +187,8 @@ def load_model(
                 tensor = dequantize_fp8(tensor, scale, block)
             found = wanted[name]
             if fp8 and shard.size > 1:
-                tensor = rank_slice(found[0].param, tensor, cfg, shard.rank, shard.size)
-            for t, piece in zip(found, split(name, tensor, cfg, found), strict=True):
+                tensor = rank_slice(map_name(name), tensor, cfg, shard.rank, shard.size)
+            for t, piece in zip(found, split(name, tensor, model.rank_config, found), strict=True):
                 dest = view(params[t.param], t)
                 if tuple(piece.shape) != tuple(dest.shape):
                     raise CheckpointError(
