@@ -181,9 +181,3 @@ def test_finished_only_steps_report_just_the_finished_requests(path: Path) -> No
         assert out.outputs[0].text == last[rid].outputs[0].text
     assert sorted(finals) == ["r0", "r1"]
 
-
-def test_prefix_caching_is_off_under_tensor_parallelism() -> None:
-    """Each rank holds its heads' GDN states, and snapshots are taken on the driver's only: not combined yet."""
-    assert EngineConfig(tensor_parallel_size=2).enable_prefix_caching is False
-    with pytest.raises(UnsupportedFeatureError, match="prefix caching does not run under tensor parallelism"):
-        EngineConfig(tensor_parallel_size=2, enable_prefix_caching=True)

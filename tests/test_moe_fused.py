@@ -16,6 +16,7 @@ from deltaserve.executor.fused_cpu.stack import FusedMTP, FusedTrunk
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.loader import load_model
 from deltaserve.model.moe import SparseMoeBlock
+from deltaserve.model.parallel import Shard
 from deltaserve.ops.fused_ext import load_extension
 from tests.checkpoints import MOE, RATIOS_27B, TINY, random_hf_moe_model, random_mtp_tensors
 from tests.test_fused_step import BLOCK, assert_caches_equal, assert_mtp_passes_match, context, junk_cache
@@ -137,20 +138,25 @@ def test_fused_mtp_of_a_moe_checkpoint_matches_the_python_head(family, layout, v
     assert_mtp_passes_match(model)
 
 
+@pytest.mark.parametrize("tp", [1, 2], ids=["one-rank", "tp2-rank0"])
 @pytest.mark.parametrize("family, fields", [("qwen3_5_moe", {}), ("qwen3_next", {"mlp_only_layers": [1]})])
-def test_planner_counts_the_experts_panels(family, fields, tmp_path) -> None:
+def test_planner_counts_the_experts_panels(family, fields, tp, tmp_path) -> None:
     """fp32 compute of a bf16 MoE checkpoint: fused_copy_bytes is what the fused trunk and MTP head really
-    hold in panels (every expert's included), plus the lm_head's copy for the greedy screen."""
+    hold in panels (every expert's included), plus the lm_head's copy for the greedy screen; under tensor
+    parallelism, those of rank 0's shard (its half of every expert; built without a process group), and the
+    weights are rank 0's parameters."""
     hf = random_hf_moe_model(family, TINY, seed=3, **fields).to(torch.bfloat16)
     mtp = {k: v.bfloat16() for k, v in random_mtp_tensors(TINY, moe=MOE).items()}
     path = save(hf, tmp_path, "official" if family == "qwen3_5_moe" else "causal", fused=True, mtp=mtp)
-    plan = plan_memory(ModelConfig.from_file(path), 64, 1, dtype="float32", with_mtp=True)
-    model = load_model(path, dtype="float32", with_mtp=True)
-    cache = allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1, with_mtp=True)
+    plan = plan_memory(ModelConfig.from_file(path), 64, 1, dtype="float32", with_mtp=True, tp=tp)
+    model = load_model(path, dtype="float32", with_mtp=True, shard=Shard(0, tp))
+    if tp > 1:  # (with one rank the planner counts the vocabulary padded to 64 rows, as vLLM allocates it)
+        assert plan.weight_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    cache = allocate_cache(model.rank_config, num_blocks=4, block_size=BLOCK, num_slots=1, with_mtp=True)
     held = FusedTrunk(model, cache).named_tensors() + FusedMTP(model, cache).named_tensors()
     panels = [t for name, t in held if name.endswith(".panels")]
     assert any(name.endswith("mlp.experts.down_proj.panels") for name, _ in held)
-    V, H = TINY["vocab_size"], TINY["hidden_size"]
+    V, H = model.lm_head.weight.shape  # the rank's rows of the padded vocabulary under tensor parallelism
     screen = -(-V // 64) * 64 * 2 * -(-H // 2) * 2  # the lm_head in pairs, bf16
     assert plan.fused_copy_bytes == sum(t.numel() * t.element_size() for t in panels) + screen
 

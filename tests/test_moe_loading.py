@@ -14,6 +14,8 @@ from deltaserve.config import ARCHITECTURES, ConfigError, ModelConfig
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 from deltaserve.model.loader import CheckpointError, load_model
 from deltaserve.model.moe import SparseMoeBlock
+from deltaserve.model.parallel import Shard
+from deltaserve.model.sharding import rank_slice
 from tests.checkpoints import (
     MOE,
     RATIOS_27B,
@@ -184,6 +186,12 @@ def test_fp8_expert_tensors_are_dequantized(moe_checkpoint, tmp_path, fused):
     assert not torch.equal(experts.down_proj, hf.model.layers[1].mlp.experts.down_proj)  # really rounded
     torch.testing.assert_close(experts.down_proj, hf.model.layers[1].mlp.experts.down_proj, atol=0.02, rtol=0.1)
     assert torch.isfinite(logits(model, torch.arange(10))).all()
+    # A tensor-parallel rank reads fp8 experts whole (their scales come in blocks) and keeps its slice of
+    # each once dequantized: its half of every expert's width.
+    rank1 = dict(load_model(dst, dtype="float32", shard=Shard(1, 2)).named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(rank1[name], rank_slice(name, p, model.config, 1, 2)), name
+    assert rank1["model.layers.1.mlp.experts.down_proj"].shape[2] == inter // 2
 
 
 def test_qwen3_next_fused_gdn_projections_are_split_per_key_head_group(tmp_path):

@@ -11,7 +11,7 @@ import torch
 from deltaserve.cache.block_pool import CacheExhaustedError
 from deltaserve.cache.kv_blocks import KVBlockPool
 from deltaserve.cache.prefix import extend_block_hashes, hash_block
-from deltaserve.cache.snapshots import SnapshotPool
+from deltaserve.cache.snapshots import SnapshotPool, SnapshotStore
 from deltaserve.model.context import CacheTensors
 
 
@@ -99,7 +99,7 @@ def _cache(slots: int) -> CacheTensors:
 
 def test_snapshot_pool_saves_restores_and_evicts_least_recently_used() -> None:
     cache = _cache(3)
-    pool = SnapshotPool(cache, 2)
+    pool = SnapshotPool(SnapshotStore(cache, 2))
     assert pool.bytes_per_snapshot == 2 * (6 * 3 + 2 * 4 * 5) * 4
     want0 = {i: (cache.conv[i][0].clone(), cache.ssm[i][0].clone()) for i in (0, 2)}
     pool.save(b"a", 0)
@@ -113,6 +113,28 @@ def test_snapshot_pool_saves_restores_and_evicts_least_recently_used() -> None:
     assert pool.num_used == 2 and pool.bytes_used == 2 * pool.bytes_per_snapshot
     pool.save(b"c", 0)  # already held: nothing copied
     assert pool.num_saved == 3
+
+
+def test_another_rank_replays_the_drivers_snapshot_copies() -> None:
+    """Tensor parallelism: the driver's pool picks the entries and its store logs each copy; a worker's
+    store (its own states, here other values) replays them in order and ends as the driver's would."""
+    driver, worker = _cache(3), _cache(3)
+    for t in list(worker.conv.values()) + list(worker.ssm.values()):
+        t.mul_(-2)  # a rank's states differ from rank 0's (other value heads)
+    want = {i: (worker.conv[i][0].clone(), worker.ssm[i][0].clone()) for i in (0, 2)}
+    store, replica = SnapshotStore(driver, 1), SnapshotStore(worker, 1)
+    store.copies = []
+    pool = SnapshotPool(store)
+    pool.save(b"a", 0)
+    pool.restore(b"a", 2)
+    pool.save(b"b", 1)  # evicts "a": the one entry now holds slot 1's states
+    copies = store.take_copies()
+    assert copies.tolist() == [[0, 0, 0], [1, 0, 2], [0, 0, 1]] and store.copies == []
+    replica.apply(copies)
+    for i in (0, 2):
+        assert torch.equal(worker.conv[i][2], want[i][0]) and torch.equal(worker.ssm[i][2], want[i][1])
+        assert torch.equal(replica.conv[i][0], worker.conv[i][1])
+    assert replica.copies is None  # a worker logs nothing
 
 
 def test_plan_counts_the_snapshot_pool(capsys: pytest.CaptureFixture[str]) -> None:
@@ -212,7 +234,7 @@ def test_kv_pool_counts_stay_right_under_random_use() -> None:
 def test_step_hook_skips_a_request_freed_since_it_was_scheduled() -> None:
     from deltaserve.cache.manager import CacheManager
 
-    m = CacheManager(8, 4, 2, SnapshotPool(_cache(2), 2), snapshot_interval=4)
+    m = CacheManager(8, 4, 2, SnapshotPool(SnapshotStore(_cache(2), 2)), snapshot_interval=4)
     seq = Seq(list(range(10)), request_id="a")
     assert m.lookup_prefix(seq).num_tokens == 0 and m.allocate("a", 8)
     seq.num_computed_tokens = 8

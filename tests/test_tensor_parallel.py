@@ -126,9 +126,11 @@ def test_replicated_kv_heads_tied_embeddings_and_the_plan(tmp_path: Path) -> Non
         assert_logits_close(logits_of_steps(one, mtp=False), logits_of_steps(two, mtp=False))
         assert greedy(two) == greedy(one)
         cfg = ModelConfig.from_file(path)
-        plan = plan_memory(cfg, MAX_LEN, SEQS, tp=2, block_size=BLOCK, dtype="float32")
+        snapshots = two.cache.prefix.snapshots.num_total  # prefix caching is on: each rank holds the entries
+        plan = plan_memory(cfg, MAX_LEN, SEQS, tp=2, block_size=BLOCK, dtype="float32", num_gdn_snapshots=snapshots)
         assert plan.rank.kv_heads == 1 and two.executor.cache_bytes_per_rank() == [plan.cache_bytes] * 2
-        assert plan.cache_bytes < plan_memory(cfg, MAX_LEN, SEQS, tp=1, block_size=BLOCK, dtype="float32").cache_bytes
+        one_rank = plan_memory(cfg, MAX_LEN, SEQS, tp=1, block_size=BLOCK, dtype="float32", num_gdn_snapshots=snapshots)
+        assert plan.cache_bytes < one_rank.cache_bytes
         weights = {p.data_ptr(): p.numel() * p.element_size() for p in two.model.parameters()}  # tied once
         assert sum(weights.values()) == plan.weight_bytes
 
@@ -149,16 +151,23 @@ def test_a_rank_without_the_fused_step_puts_every_rank_on_the_torch_executor(
         two.close()
 
 
-def test_each_rank_reads_its_part_of_every_tensor(tmp_path: Path) -> None:
-    """Without a process group: the two ranks' parameters (read as safetensors slices) are the whole
-    model's split by heads, laid out as the layers expect; replicated ones are whole."""
-    path = save_official_layout(random_hf_model(TINY, seed=4), tmp_path, random_mtp_tensors(TINY, seed=4))
+def ranks_hold_their_slices(path: Path) -> tuple[dict, list[dict], ModelConfig]:
+    """The whole model's parameters and each of two ranks' (loaded without a process group), having checked
+    that each rank's is rank_slice of the whole one's; and the config."""
     whole = dict(load_model(path).named_parameters())
     ranks = [dict(load_model(path, shard=Shard(r, 2)).named_parameters()) for r in range(2)]
     cfg = ModelConfig.from_file(path)
     for name, p in whole.items():
         for r in range(2):
             assert torch.equal(ranks[r][name], rank_slice(name, p, cfg, r, 2)), name
+    return whole, ranks, cfg
+
+
+def test_each_rank_reads_its_part_of_every_tensor(tmp_path: Path) -> None:
+    """Without a process group: the two ranks' parameters (read as safetensors slices) are the whole
+    model's split by heads, laid out as the layers expect; replicated ones are whole."""
+    path = save_official_layout(random_hf_model(TINY, seed=4), tmp_path, random_mtp_tensors(TINY, seed=4))
+    whole, ranks, cfg = ranks_hold_their_slices(path)
     layer = "model.layers.0.linear_attn."
     kd, vd = cfg.linear_key_dim, cfg.linear_value_dim
     qkv = [ranks[r][layer + "in_proj_qkv.weight"] for r in range(2)]  # each [q | k | v] of its heads

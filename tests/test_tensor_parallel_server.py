@@ -1,6 +1,6 @@
 """`deltaserve serve --tensor-parallel-size 2` end to end: the `openai` client gets the same greedy text as
-one process computes; killing the worker process turns /health into a 503 naming rank 1 and makes the next
-request fail at once (an error response, not a hang)."""
+one process computes, and a repeated prompt's cached tokens; killing the worker process turns /health into
+a 503 naming rank 1 and makes the next request fail at once (an error response, not a hang)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,14 @@ def test_openai_client_then_a_killed_worker(server: ServerProcess, ckpt: Path) -
         PROMPT, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False
     )
     assert got.choices[0].text == want[0].outputs[0].text
+
+    # Prefix caching is on under tensor parallelism too: the same long prompt again reuses all but its last
+    # block (each rank restored its heads' GDN snapshot), and answers the same.
+    long = " ".join([PROMPT] * 8)
+    first, again = (client.completions.create(model=MODEL, prompt=long, max_tokens=8, temperature=0) for _ in range(2))
+    assert first.choices[0].text == again.choices[0].text
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (again.usage.prompt_tokens - 1) // 16 * 16 > 0
 
     (pid,) = worker_pids(server.proc.pid)
     os.kill(pid, signal.SIGKILL)

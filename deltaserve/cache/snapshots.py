@@ -1,11 +1,15 @@
 """GDN state snapshots for prefix caching ("align" mode): the conv and recurrent state of every GDN layer
 after exactly n tokens of a prefix, n a multiple of the block size, keyed by the hash of the prefix's last
-block. A prefix hit needs one: unlike attention K/V, a recurrent state cannot be rebuilt from a shorter
-one without running the tokens again.
+block. A hit needs one: unlike attention K/V, a recurrent state cannot be rebuilt from a shorter one
+without running the tokens again.
 
-The pool has its own tensors and a fixed number of entries (its memory budget, from the planner); when
-full, the least recently used snapshot makes room. Saving and restoring are index copies between a
-state slot of the shared cache tensors and an entry, so they work for every executor."""
+Two parts: SnapshotStore holds one rank's snapshot tensors and copies between an entry and a state slot
+(index copies of the shared cache tensors, so they work for every executor); SnapshotPool decides which
+entry holds which prefix (a fixed number of entries, the planner's budget; when full, the least recently
+used snapshot makes room). Under tensor parallelism each rank holds its value heads' states, so every rank
+has a store of the same entries and the driver's pool alone decides: rank 0's store logs its copies
+(`copies`), the tensor-parallel executor sends them with its next call, and each worker replays them
+(`apply`) before that call's forward."""
 
 from __future__ import annotations
 
@@ -16,8 +20,10 @@ import torch
 from deltaserve.cache.prefix import BlockHash
 from deltaserve.model.context import CacheTensors
 
+SAVE, RESTORE = 0, 1  # a logged copy's kind: slot -> entry, entry -> slot
 
-class SnapshotPool:
+
+class SnapshotStore:
     def __init__(self, cache: CacheTensors, num_snapshots: int) -> None:
         if num_snapshots <= 0:
             raise ValueError(f"a GDN snapshot pool needs at least one entry, got {num_snapshots}")
@@ -26,15 +32,67 @@ class SnapshotPool:
         # layer id -> [S, conv_dim, K-1] and [S, Hv, dk, dv], in the slots' dtypes
         self.conv = {i: torch.zeros((num_snapshots, *t.shape[1:]), dtype=t.dtype) for i, t in cache.conv.items()}
         self.ssm = {i: torch.zeros((num_snapshots, *t.shape[1:]), dtype=t.dtype) for i, t in cache.ssm.items()}
+        # (kind, entry, slot) of every copy since the tensor-parallel executor last took them (None: one rank)
+        self.copies: list[tuple[int, int, int]] | None = None
+
+    @property
+    def bytes_per_snapshot(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self._tensors())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all entries: what the store allocated."""
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return list(self.conv.values()) + list(self.ssm.values())
+
+    def save(self, entry: int, slot: int) -> None:
+        """Entry `entry` takes state slot `slot`'s states."""
+        if self.copies is not None:
+            self.copies.append((SAVE, entry, slot))
+        for i, t in self.conv.items():
+            t[entry].copy_(self.cache.conv[i][slot])
+        for i, t in self.ssm.items():
+            t[entry].copy_(self.cache.ssm[i][slot])
+
+    def restore(self, entry: int, slot: int) -> None:
+        """State slot `slot` takes entry `entry`'s states."""
+        if self.copies is not None:
+            self.copies.append((RESTORE, entry, slot))
+        for i, t in self.conv.items():
+            self.cache.conv[i][slot].copy_(t[entry])
+        for i, t in self.ssm.items():
+            self.cache.ssm[i][slot].copy_(t[entry])
+
+    def take_copies(self) -> torch.Tensor:
+        """The logged copies as int64 [n, 3] (kind, entry, slot), in order, and a fresh log."""
+        copies, self.copies = self.copies or [], []
+        return torch.tensor(copies, dtype=torch.long).reshape(-1, 3)
+
+    def apply(self, copies: torch.Tensor) -> None:
+        """Replay another rank's copies ([n, 3] from take_copies) on this rank's states."""
+        for kind, entry, slot in copies.tolist():
+            if kind == SAVE:
+                self.save(entry, slot)
+            elif kind == RESTORE:
+                self.restore(entry, slot)
+            else:
+                raise ValueError(f"unknown GDN snapshot copy kind {kind}")
+
+
+class SnapshotPool:
+    def __init__(self, store: SnapshotStore) -> None:
+        self.store = store
+        self.num_total = store.num_total
         self._entries: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
-        self._free = list(range(num_snapshots - 1, -1, -1))
+        self._free = list(range(store.num_total - 1, -1, -1))
         self.num_saved = 0
         self.num_evicted = 0
 
     @property
     def bytes_per_snapshot(self) -> int:
-        tensors = list(self.conv.values()) + list(self.ssm.values())
-        return sum(t[0].numel() * t.element_size() for t in tensors)
+        return self.store.bytes_per_snapshot
 
     @property
     def num_used(self) -> int:
@@ -57,10 +115,7 @@ class SnapshotPool:
         else:
             _, entry = self._entries.popitem(last=False)
             self.num_evicted += 1
-        for i, t in self.conv.items():
-            t[entry].copy_(self.cache.conv[i][slot])
-        for i, t in self.ssm.items():
-            t[entry].copy_(self.cache.ssm[i][slot])
+        self.store.save(entry, slot)
         self._entries[key] = entry
         self.num_saved += 1
 
@@ -68,7 +123,4 @@ class SnapshotPool:
         """Load the snapshot for key into state slot `slot` (key must be held)."""
         entry = self._entries[key]
         self._entries.move_to_end(key)
-        for i, t in self.conv.items():
-            self.cache.conv[i][slot].copy_(t[entry])
-        for i, t in self.ssm.items():
-            self.cache.ssm[i][slot].copy_(t[entry])
+        self.store.restore(entry, slot)

@@ -144,14 +144,6 @@ class EngineConfig:
             raise EngineConfigError(
                 f"mamba_block_size={self.mamba_block_size} must be a multiple of block_size={self.block_size}"
             )
-        if self.tensor_parallel_size > 1:
-            # The GDN snapshots would have to be taken on every rank (each holds its heads' states).
-            if self.enable_prefix_caching:
-                raise UnsupportedFeatureError(
-                    "prefix caching does not run under tensor parallelism yet; drop enable_prefix_caching or "
-                    "run with tensor_parallel_size=1"
-                )
-            self.enable_prefix_caching = False
         if self.enable_prefix_caching is not False:
             self.mamba_cache_mode = "align"
 

@@ -15,7 +15,7 @@ import torch
 from deltaserve.cache.manager import CacheManager, CacheUsage
 from deltaserve.cache.prefix_cache import PrefixCacheStats
 from deltaserve.cache.sizing import CacheOptions, CacheSizeError, plan_cache
-from deltaserve.cache.snapshots import SnapshotPool
+from deltaserve.cache.snapshots import SnapshotPool, SnapshotStore
 from deltaserve.cache.tensors import allocate_cache, kv_cache_torch_dtype
 from deltaserve.config import ModelConfig
 from deltaserve.engine.config import EngineConfig, EngineConfigError
@@ -112,8 +112,10 @@ class LLMEngine:
                 str(path), config.dtype, tp, weight_options=config.weight_options, with_mtp=k > 0,
                 num_blocks=plan.num_blocks, block_size=config.block_size,
                 num_slots=plan.num_slots, kv_dtype=kv_dtype, enforce_eager=config.enforce_eager,
+                num_snapshots=plan.num_snapshots,
             )
             self.model, self.cache_tensors = self.executor.model, self.executor.cache  # rank 0's shard
+            store = self.executor.snapshots  # every rank has its entries; the pool below picks them
         else:
             self.cache_tensors = allocate_cache(
                 self.model_config, plan.num_blocks, config.block_size, plan.num_slots, kv_dtype, with_mtp=k > 0
@@ -121,7 +123,8 @@ class LLMEngine:
             self.executor = make_executor(
                 self.model, self.cache_tensors, enforce_eager=config.enforce_eager, with_mtp=k > 0
             )
-        snapshots = SnapshotPool(self.cache_tensors, plan.num_snapshots) if plan.num_snapshots else None
+            store = SnapshotStore(self.cache_tensors, plan.num_snapshots) if plan.num_snapshots else None
+        snapshots = None if store is None else SnapshotPool(store)
         self.cache = CacheManager(
             plan.num_blocks, config.block_size, plan.num_slots, snapshots, config.mamba_block_size, with_mtp=k > 0
         )

@@ -414,9 +414,9 @@ def plan_memory(
         vision_params=by_name["vision tower"].total_params if "vision tower" in by_name else 0,
         model_name=model_name,
     )
-    # Under tensor parallelism each rank's fused step copies its shard: its heads, its vocabulary rows (MoE
-    # models are not sharded: the loader refuses them under tensor parallelism).
-    if wdtype == "float32" and normalize_dtype(cfg.torch_dtype) == "bfloat16" and (tp == 1 or not cfg.is_moe):
+    # Under tensor parallelism each rank's fused step copies its shard: its heads, its MLP and expert widths,
+    # its vocabulary rows.
+    if wdtype == "float32" and normalize_dtype(cfg.torch_dtype) == "bfloat16":
         rank_cfg = cfg if tp == 1 else dataclasses.replace(rank_config(cfg, tp), vocab_size=r.vocab)
         plan.fused_copy_bytes = fused_copy_bytes(rank_cfg, with_mtp)
     plan.total_bytes = plan.weight_bytes + plan.fused_copy_bytes + plan.cache_bytes

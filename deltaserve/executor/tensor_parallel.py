@@ -56,6 +56,9 @@ class TensorParallelExecutor(Executor):
         elsewhere)."""
         self.model = rank.model
         self.cache = rank.cache
+        self.snapshots = rank.snapshots  # rank 0's; it logs its copies, which each call takes to the others
+        if self.snapshots is not None:
+            self.snapshots.copies = []
         self.shard = rank.model.shard
         self.local = rank.executor
         self.name = f"{rank.executors[0]}-tp"  # what every rank runs (build_rank: all the same)
@@ -93,7 +96,7 @@ class TensorParallelExecutor(Executor):
     def cache_bytes_per_rank(self) -> list[int]:
         """The bytes of the cache tensors each rank allocated, in rank order."""
         msg = Message(Command.CACHE_BYTES, torch.zeros(0, dtype=torch.long))
-        return self._call(msg, lambda: gather_ints(cache_bytes(self.cache)))
+        return self._call(msg, lambda: gather_ints(cache_bytes(self.cache, self.snapshots)))
 
     # ---- control ---------------------------------------------------------------------------------------
     def check_health(self) -> None:
@@ -128,6 +131,8 @@ class TensorParallelExecutor(Executor):
             self._last_call = time.monotonic()
             self.shard.in_step = True
             try:
+                if self.snapshots is not None:  # rank 0 made them already; the others replay them first
+                    msg.copies = self.snapshots.take_copies()
                 send(msg)
                 return run()
             except Exception as e:  # a collective that failed, or rank 0's own error: the ranks are out of step
@@ -184,13 +189,15 @@ class TensorParallelExecutor(Executor):
 
 def start_tensor_parallel(
     model_path: str, dtype: str, tp: int, *, with_mtp: bool, num_blocks: int, block_size: int,
-    num_slots: int, kv_dtype: torch.dtype, enforce_eager: bool = False, weight_options: dict | None = None,
+    num_slots: int, kv_dtype: torch.dtype, enforce_eager: bool = False, num_snapshots: int = 0,
+    weight_options: dict | None = None,
 ) -> TensorParallelExecutor:
     """Join (or form) the process group of tp ranks as rank 0 and build every rank's shard and cache.
 
     With RANK set in the environment the other ranks are launched elsewhere (torchrun-style: MASTER_ADDR,
     MASTER_PORT, WORLD_SIZE=tp, RANK=0 here); otherwise ranks 1..tp-1 start here as local processes on a
-    free loopback port. Each rank runs the executor make_executor's rule gives it (enforce_eager: torch)."""
+    free loopback port. Each rank runs the executor make_executor's rule gives it (enforce_eager: torch) and
+    holds num_snapshots GDN snapshot entries for prefix caching (the executor's `snapshots` are rank 0's)."""
     external = "RANK" in os.environ
     if external:
         rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "-1"))
@@ -215,7 +222,7 @@ def start_tensor_parallel(
              "external" if external else "local", addr, port)
     spec = RankSpec(model=str(model_path), dtype=dtype, with_mtp=with_mtp, num_blocks=num_blocks,
                     block_size=block_size, num_slots=num_slots, kv_dtype=DTYPE_NAMES[kv_dtype],
-                    threads=torch.get_num_threads(), enforce_eager=enforce_eager,
+                    threads=torch.get_num_threads(), enforce_eager=enforce_eager, num_snapshots=num_snapshots,
                     weight_options=dict(weight_options or {}))
     try:
         dist.init_process_group(BACKEND, init_method=f"tcp://{addr}:{port}", rank=0, world_size=tp,

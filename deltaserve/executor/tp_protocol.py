@@ -1,6 +1,9 @@
 """What the tensor-parallel driver tells its workers each call: a fixed header, then the call's integers
 as one int64 tensor and its hidden rows as one float tensor, each sent by a torch.distributed broadcast
-from rank 0 (three collectives at most, no pickles on the step path)."""
+from rank 0 (three collectives at most, no pickles on the step path). The integers begin with the GDN
+snapshot copies of prefix caching that the driver's cache manager made since its last call (scheduling
+restores a hit's snapshot into a slot, the step after it saves a slot): every rank replays them on its own
+states before it runs the call."""
 
 from __future__ import annotations
 
@@ -11,9 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from deltaserve.cache.snapshots import SnapshotStore
 from deltaserve.model.context import CacheTensors, ForwardContext
 
-HEADER_LEN = 4  # command, number of integers, number of hidden rows, argument (the MTP pass)
+HEADER_LEN = 5  # command, number of integers, number of hidden rows, argument (the MTP pass), snapshot copies
+NO_COPIES = torch.zeros(0, 3, dtype=torch.long)
 
 
 class Command(enum.IntEnum):
@@ -32,15 +37,18 @@ class Message:
     ints: torch.Tensor  # int64 [n]
     hidden: torch.Tensor | None = None  # [rows, H] in the model dtype
     arg: int = 0
+    copies: torch.Tensor = NO_COPIES  # int64 [n, 3]: GDN snapshot copies to replay first (SnapshotStore)
 
 
 def send(msg: Message) -> None:
     """Rank 0's side of a call."""
     rows = 0 if msg.hidden is None else msg.hidden.shape[0]
-    header = torch.tensor([int(msg.command), msg.ints.numel(), rows, msg.arg], dtype=torch.long)
+    copies = msg.copies.shape[0]
+    header = torch.tensor([int(msg.command), msg.ints.numel(), rows, msg.arg, copies], dtype=torch.long)
     dist.broadcast(header, src=0)
-    if msg.ints.numel():
-        dist.broadcast(msg.ints.contiguous(), src=0)
+    ints = torch.cat([msg.copies.reshape(-1), msg.ints]) if copies else msg.ints
+    if ints.numel():
+        dist.broadcast(ints.contiguous(), src=0)
     if rows:
         dist.broadcast(msg.hidden.contiguous(), src=0)
 
@@ -49,15 +57,15 @@ def receive(hidden_size: int, dtype: torch.dtype) -> Message:
     """A worker's side: waits for the driver's next call."""
     header = torch.empty(HEADER_LEN, dtype=torch.long)
     dist.broadcast(header, src=0)
-    command, n, rows, arg = header.tolist()
-    ints = torch.empty(n, dtype=torch.long)
-    if n:
+    command, n, rows, arg, copies = header.tolist()
+    ints = torch.empty(3 * copies + n, dtype=torch.long)
+    if ints.numel():
         dist.broadcast(ints, src=0)
     hidden = None
     if rows:
         hidden = torch.empty(rows, hidden_size, dtype=dtype)
         dist.broadcast(hidden, src=0)
-    return Message(Command(command), ints, hidden, arg)
+    return Message(Command(command), ints[3 * copies :], hidden, arg, ints[: 3 * copies].view(copies, 3))
 
 
 def pack_step(input_ids: torch.Tensor, ctx: ForwardContext, output_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,9 +112,10 @@ def unpack_step(ints: torch.Tensor, cache: CacheTensors) -> tuple[torch.Tensor, 
     return input_ids, ctx, output_rows
 
 
-def cache_bytes(cache: CacheTensors) -> int:
-    """Bytes of every tensor a rank's cache holds: K/V blocks (and fp8 scales), conv and recurrent state slots."""
-    return sum(t.numel() * t.element_size() for t in cache.tensors())
+def cache_bytes(cache: CacheTensors, snapshots: SnapshotStore | None) -> int:
+    """Bytes of every tensor a rank's cache holds: K/V blocks (and fp8 scales), conv and recurrent state slots,
+    and the GDN snapshots of prefix caching."""
+    return sum(t.numel() * t.element_size() for t in cache.tensors()) + (0 if snapshots is None else snapshots.nbytes)
 
 
 def collective_timeout_s() -> float:

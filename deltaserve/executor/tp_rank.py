@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from deltaserve.cache.snapshots import SnapshotStore
 from deltaserve.cache.tensors import allocate_cache
 from deltaserve.executor.base import Executor
 from deltaserve.executor.factory import make_executor
@@ -42,6 +43,7 @@ class RankSpec:
     kv_dtype: str
     threads: int
     enforce_eager: bool = False
+    num_snapshots: int = 0  # GDN snapshot entries of prefix caching (0: off), the same on every rank
     weight_options: dict = field(default_factory=dict)  # load_model's quantization arguments
 
     def to_dict(self) -> dict:
@@ -53,17 +55,19 @@ EXECUTOR_KINDS = ("torch", "fused-cpu")  # what a rank may run, by the executors
 
 @dataclass(slots=True)
 class Rank:
-    """One rank's shard of the model, its cache, the executor that runs them, and every rank's executor name
-    (in rank order, the same list on every rank)."""
+    """One rank's shard of the model, its cache (and GDN snapshots, with prefix caching), the executor that
+    runs them, and every rank's executor name (in rank order, the same list on every rank)."""
 
     model: Qwen3_5ForCausalLM
     cache: CacheTensors
+    snapshots: SnapshotStore | None
     executor: Executor
     executors: list[str]
 
 
 def build_rank(spec: RankSpec, shard: Shard) -> Rank:
-    """This rank's shard of the checkpoint, its cache (its KV heads, its GDN value heads) and its executor,
+    """This rank's shard of the checkpoint, its cache (its KV heads, its GDN value heads; its GDN snapshot
+    entries with prefix caching) and its executor,
     chosen by make_executor's rule (the fused step for fp32 unless enforce_eager; it logs why not). Every
     rank then learns what each runs (a collective: every rank calls this at startup). The ranks must all run
     the same one: their collectives pair up by order and shape, and the two executors differ there (the fused
@@ -74,6 +78,7 @@ def build_rank(spec: RankSpec, shard: Shard) -> Rank:
     cache = allocate_cache(
         model.rank_config, spec.num_blocks, spec.block_size, spec.num_slots, kv_dtype, with_mtp=spec.with_mtp
     )
+    snapshots = SnapshotStore(cache, spec.num_snapshots) if spec.num_snapshots else None
     executor = make_executor(model, cache, enforce_eager=spec.enforce_eager, with_mtp=spec.with_mtp)
     executors = [EXECUTOR_KINDS[i] for i in gather_ints(EXECUTOR_KINDS.index(executor.name))]
     if len(set(executors)) > 1:
@@ -81,7 +86,7 @@ def build_rank(spec: RankSpec, shard: Shard) -> Rank:
         log.warning("executor on rank %d of %d: torch, since rank(s) %s run the torch executor (see their log)",
                     shard.rank, shard.size, torch_ranks)
         executor, executors = TorchExecutor(model, cache), ["torch"] * len(executors)
-    return Rank(model, cache, executor, executors)
+    return Rank(model, cache, snapshots, executor, executors)
 
 
 class RankWorker:
@@ -90,6 +95,7 @@ class RankWorker:
     def __init__(self, rank: Rank) -> None:
         self.model = rank.model
         self.cache = rank.cache
+        self.snapshots = rank.snapshots
         self.executor = rank.executor
         self.last_step: ForwardContext | None = None  # the verify states commit_verified picks from
 
@@ -104,6 +110,10 @@ class RankWorker:
             self.handle(msg)
 
     def handle(self, msg: Message) -> None:
+        if msg.copies.numel():  # the driver's prefix cache moved GDN states since its last call
+            if self.snapshots is None:
+                raise RuntimeError("GDN snapshot copies for a rank without a snapshot pool")
+            self.snapshots.apply(msg.copies)
         if msg.command == Command.FORWARD:
             input_ids, ctx, rows = unpack_step(msg.ints, self.cache)
             self.executor.forward(input_ids, ctx, rows)
@@ -119,7 +129,7 @@ class RankWorker:
             self.executor.commit_verified(self.last_step, msg.ints.tolist())
             self.last_step.spec_states.clear()
         elif msg.command == Command.CACHE_BYTES:
-            gather_ints(cache_bytes(self.cache))
+            gather_ints(cache_bytes(self.cache, self.snapshots))
         elif msg.command != Command.HEARTBEAT:
             raise RuntimeError(f"unknown tensor-parallel command {msg.command!r}")
 

@@ -31,7 +31,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = GatedAttention(cfg, layer_id, shard)
         else:
             raise ValueError(f"layer {layer_id}: unknown layer type {layer_type!r}")
-        self.mlp = (SparseMoeBlock(cfg) if cfg.sparse_mlp(layer_id)
+        self.mlp = (SparseMoeBlock(cfg, shard) if cfg.sparse_mlp(layer_id)
                     else MLP(cfg.hidden_size, cfg.intermediate_size, shard))
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)

@@ -327,12 +327,12 @@ def load_model(
         stored.setdefault(module_name, _stored_format(_open(names[name]), name, block))
     _materialize(model, cfg, policy, stored)
 
-    # A rank reads only its part of each split tensor (a dense model: one whole parameter per tensor); fp8
-    # weights are read whole, since their scales come in blocks, and sliced once dequantized.
+    # A rank reads only its part of each split tensor, by the tensor's own name (one expert's, a fused GDN
+    # projection's); fp8 weights are read whole, since their scales come in blocks, and sliced once dequantized.
     parts = {}
     if shard.size > 1 and not fp8:
-        for n, (t,) in wanted.items():
-            if (part := rank_part(t.param, cfg, shard.rank, shard.size)) is not None:
+        for n in wanted:
+            if (part := rank_part(map_name(n), cfg, shard.rank, shard.size)) is not None:
                 parts[n] = part
     with torch.no_grad():
         for name, tensor in iter_tensors(path, names, list(wanted), parts):
@@ -346,8 +346,8 @@ def load_model(
                 if len(found) > 1 or shard.size > 1:  # split or sliced: through its values
                     tensor, scale = dequantize_fp8(tensor, scale, block), None
             if fp8 and shard.size > 1:
-                tensor = rank_slice(found[0].param, tensor, cfg, shard.rank, shard.size)
-            pieces = [tensor] if scale is not None else split(name, tensor, cfg, found)
+                tensor = rank_slice(map_name(name, with_vision), tensor, cfg, shard.rank, shard.size)
+            pieces = [tensor] if scale is not None else split(name, tensor, model.rank_config, found)
             for t, piece in zip(found, pieces, strict=True):
                 _, dest, attr = _owner(model, t.param)
                 _fill(dest, attr, t, piece, scale, block, name)

@@ -16,6 +16,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.linear import Linear, StoredWeights
 from deltaserve.model.mlp import MLP
+from deltaserve.model.parallel import SINGLE, Shard
 from deltaserve.ops.formats import dequantize
 
 
@@ -69,8 +70,11 @@ class Experts(StoredWeights):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard = SINGLE) -> None:
+        """cfg: this rank's expert and shared-expert widths (rank_config); the router and the shared expert's
+        gate are whole on every rank, so the ranks route alike, and their partial outputs meet in shard."""
         super().__init__()
+        self.shard = shard
         H = cfg.hidden_size
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
@@ -92,4 +96,4 @@ class SparseMoeBlock(nn.Module):
         expert_ids, weights = self.route(x)
         routed = self.experts(x, expert_ids, weights)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        return self.shard.all_reduce(routed + shared)

@@ -5,7 +5,9 @@ tp > nkv), GDN key/value heads Hk/tp, Hv/tp, MLP width I/tp, embedding and lm_he
 (vocabulary padded to a multiple of 64, then split), norms replicated. Sparse MoE as vLLM's FusedMoE
 without expert parallelism: every rank holds every expert, each with moe_intermediate_size/tp of its
 width (gate|up rows, down columns); the shared expert splits like a dense MLP; the router and the shared
-expert's gate are replicated."""
+expert's gate are replicated, so every rank routes alike and one all-reduce after the block sums the
+ranks' partial expert outputs. Qwen3-Next's fused GDN projections (in_proj_qkvz, in_proj_ba) come grouped
+by key head, so a rank reads its key heads' row groups and regroups them as the whole model does."""
 
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ def rank_shape(cfg: ModelConfig, tp: int = 1) -> RankShape:
 
 
 def rank_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The config of one rank's layers: its share of each kind of head and of the MLP width. The cache
+    """The config of one rank's layers: its share of each kind of head and of the MLP and expert widths. The cache
     sized and allocated from it (cache/sizing.py, cache/tensors.py) is exactly what the rank holds."""
     if tp == 1:
         return cfg
@@ -75,7 +77,8 @@ def rank_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     return dataclasses.replace(
         cfg, num_attention_heads=r.attention_heads, num_key_value_heads=r.kv_heads,
         linear_num_key_heads=r.gdn_key_heads, linear_num_value_heads=r.gdn_value_heads,
-        intermediate_size=r.intermediate,
+        intermediate_size=r.intermediate, moe_intermediate_size=r.expert_intermediate,
+        shared_expert_intermediate_size=r.shared_expert_intermediate,
     )
 
 
@@ -89,6 +92,22 @@ _VALUE_COLS = re.compile(r"\.linear_attn\.out_proj\.weight$")
 _MLP_ROWS = re.compile(r"\.mlp\.(gate_proj|up_proj)\.weight$")
 _MLP_COLS = re.compile(r"\.mlp\.down_proj\.weight$")
 _VOCAB_ROWS = re.compile(r"(^|\.)embed_tokens\.weight$|^lm_head\.weight$")
+_SHARED_ROWS = re.compile(r"\.mlp\.shared_expert\.(gate_proj|up_proj)\.weight$")
+_SHARED_COLS = re.compile(r"\.mlp\.shared_expert\.down_proj\.weight$")
+_EXPERTS_GATE_UP = re.compile(r"\.mlp\.experts\.gate_up_proj$")  # [E, 2I, H]: per expert its gate rows, then up
+_EXPERTS_DOWN = re.compile(r"\.mlp\.experts\.down_proj$")  # [E, H, I]
+_EXPERT_ROWS = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj)\.weight$")  # one expert's [I, H]
+_EXPERT_COLS = re.compile(r"\.mlp\.experts\.\d+\.down_proj\.weight$")  # one expert's [H, I]
+# A SwiGLU's width, split: its gate/up rows (column-parallel) and down columns (row-parallel), as
+# (pattern, the axis split, the RankShape field with the rank's width).
+_WIDTH_SPLITS = (
+    (_MLP_ROWS, 0, "intermediate"), (_MLP_COLS, 1, "intermediate"),
+    (_SHARED_ROWS, 0, "shared_expert_intermediate"), (_SHARED_COLS, 1, "shared_expert_intermediate"),
+    (_EXPERT_ROWS, 0, "expert_intermediate"), (_EXPERT_COLS, 1, "expert_intermediate"),
+    (_EXPERTS_DOWN, 2, "expert_intermediate"),
+)
+_QKVZ_ROWS = re.compile(r"\.linear_attn\.in_proj_qkvz\.weight$")  # Qwen3-Next: [Hk, 2 dk + 2 r dv] rows
+_BA_ROWS = re.compile(r"\.linear_attn\.in_proj_ba\.weight$")  # Qwen3-Next: [Hk, 2 r] rows
 
 
 @dataclass(slots=True)
@@ -96,13 +115,13 @@ class RankPart:
     """Where a rank's part of a tensor lies: index ranges along one axis, laid end to end, then zero rows
     up to pad_rows (the padded vocabulary's last rows)."""
 
-    dim: int  # 0: rows, 1: columns
+    dim: int  # 0: rows, 1: columns, 2: the last axis of a 3-D expert tensor
     ranges: list[tuple[int, int]]
     pad_rows: int = 0
 
     def take(self, t) -> torch.Tensor:
         """The part, from a tensor or a safetensors slice (which then reads only these ranges)."""
-        parts = [t[a:b] if self.dim == 0 else t[:, a:b] for a, b in self.ranges if b > a]
+        parts = [t[(slice(None),) * self.dim + (slice(a, b),)] for a, b in self.ranges if b > a]
         missing = self.pad_rows - sum(p.shape[0] for p in parts)
         if missing > 0:  # padded vocabulary rows past the real ones: never a token's
             cols = list(t.get_shape() if hasattr(t, "get_shape") else t.shape)[1:]
@@ -116,8 +135,10 @@ def rank_part(name: str, cfg: ModelConfig, rank: int, tp: int) -> RankPart | Non
     split, or the one KV head its query heads read when tp > num_key_value_heads (replicated, as vLLM); GDN
     key heads with the value heads of their groups (in_proj_qkv rows and conv1d channels are [q: Hk*dk |
     k: Hk*dk | v: Hv*dv], each part sliced), their z/b/a rows, A_log, dt_bias and out_proj columns; MLP
-    gate/up rows and down_proj columns; embedding / lm_head rows of the padded vocabulary (zeros past its
-    end). Norms and mtp.fc are replicated."""
+    gate/up rows and down_proj columns, and so for the shared expert and each routed expert (fused 3-D or
+    per expert: its gate and up rows, its down columns); embedding / lm_head rows of the padded vocabulary
+    (zeros past its end); Qwen3-Next's in_proj_qkvz / in_proj_ba row groups of the rank's key heads. Norms,
+    mtp.fc, the router (mlp.gate) and mlp.shared_expert_gate are replicated."""
     if tp == 1:
         return None
     r = rank_shape(cfg, tp)
@@ -141,10 +162,17 @@ def rank_part(name: str, cfg: ModelConfig, rank: int, tp: int) -> RankPart | Non
         return RankPart(0, [block(r.gdn_value_heads, rank, cfg.linear_value_head_dim if "in_proj_z" in name else 1)])
     if _VALUE_COLS.search(name):
         return RankPart(1, [block(r.gdn_value_heads, rank, cfg.linear_value_head_dim)])
-    if _MLP_ROWS.search(name):
-        return RankPart(0, [block(r.intermediate, rank)])
-    if _MLP_COLS.search(name):
-        return RankPart(1, [block(r.intermediate, rank)])
+    for pattern, dim, width in _WIDTH_SPLITS:
+        if pattern.search(name):
+            return RankPart(dim, [block(getattr(r, width), rank)])
+    if _EXPERTS_GATE_UP.search(name):
+        inter = r.expert_intermediate
+        return RankPart(1, [block(inter, rank), block(inter, rank, offset=cfg.moe_intermediate_size)])
+    if _QKVZ_ROWS.search(name) or _BA_ROWS.search(name):
+        per_group = cfg.linear_num_value_heads // cfg.linear_num_key_heads  # value heads per key head
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        width = 2 * dk + 2 * per_group * dv if _QKVZ_ROWS.search(name) else 2 * per_group
+        return RankPart(0, [block(r.gdn_key_heads, rank, width)])
     if _VOCAB_ROWS.search(name):
         start, end = block(r.vocab, rank)
         return RankPart(0, [(min(start, cfg.vocab_size), min(end, cfg.vocab_size))], pad_rows=r.vocab)

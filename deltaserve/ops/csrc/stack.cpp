@@ -300,7 +300,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> FusedSt
     reduce(mix);
     x.add_(mix);
     if (l.sparse) {
-      x.add_(sparse_mlp(l.moe, rms_norm_rows(x, l.post_scale, d_.eps)));
+      at::Tensor moe = sparse_mlp(l.moe, rms_norm_rows(x, l.post_scale, d_.eps));
+      reduce(moe);  // tensor parallelism: each rank's experts and shared expert hold part of their width
+      x.add_(moe);
       continue;
     }
     at::Tensor gu = project(l.gate_up_w, rms_norm_rows(x, l.post_scale, d_.eps));  // [rows, 2I]

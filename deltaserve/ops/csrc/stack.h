@@ -120,7 +120,7 @@ class FusedStack {
 
   // Tensor parallelism: all_reduce sums a tensor over the ranks in place. forward() calls it (outside any
   // parallel loop) with the partial output of each row-parallel projection (o_proj, linear_attn.out_proj,
-  // mlp.down_proj) before adding it to the residual, and with the embedding rows: this rank's embedding holds
+  // mlp.down_proj, a sparse MLP's summed expert and shared expert outputs) before adding it to the residual, and with the embedding rows: this rank's embedding holds
   // vocabulary rows [vocab_start, vocab_start + vocab_size), and ids outside them give zero rows. Unset (one
   // rank), nothing changes.
   void set_all_reduce(std::function<void(at::Tensor&)> all_reduce, int64_t vocab_start);
