@@ -88,6 +88,47 @@ def ratios(values: list[float]) -> str:
     return " / ".join(f"{v:.1f}" for v in values)
 
 
+@dataclass(slots=True)
+class RoundResult:
+    """One engine's measurements in one round; outputs are kept to check the two engines agree."""
+
+    ttft: list[float]  # s per chat turn
+    shared_cpu_s: float
+    reused: int  # prompt tokens the shared-prefix requests reused
+    no_reuse_cpu_s: list[float]  # per no-reuse workload
+    outputs: list
+
+
+def no_reuse_workloads(vocab: int, out: SamplingParams, seed: int) -> list:
+    """(c): fresh prompts every round, so a cached engine never hits."""
+    rng = random.Random(100 + seed)
+    return [
+        ([tokens(rng, 1000, vocab) for _ in range(32)], out),
+        ([tokens(rng, rng.randint(16, 256), vocab) for _ in range(64)],
+         [SamplingParams(temperature=0.0, max_tokens=rng.randint(16, 256), ignore_eos=True) for _ in range(64)]),
+    ]
+
+
+NO_REUSE_LABELS = ["no reuse: 32 distinct 1,000-token prompts, at once",
+                   "no reuse: 64 requests, prompts and outputs 16..256 tokens, at once"]
+
+
+def run_round(llm: LLM, vocab: int, out: SamplingParams, r: int, shared_n: int, no_reuse: bool) -> RoundResult:
+    ttft, chat_outs = chat_ttft(llm, vocab, out, seed=1 + r)  # (a) a new conversation each round
+    rng = random.Random(200 + r)  # (b) a new prefix each round
+    prefix = tokens(rng, 1000, vocab)
+    before = llm.engine.stats().prefix_cache
+    shared_s, shared_outs = batch(llm, [prefix + tokens(rng, 24, vocab) for _ in range(shared_n)], out)
+    after = llm.engine.stats().prefix_cache
+    reused = 0 if after is None else after.hits - before.hits
+    costs, cost_outs = [], []
+    for prompts, params in no_reuse_workloads(vocab, out, r) if no_reuse else ():
+        t, o = batch(llm, prompts, params)
+        costs.append(t)
+        cost_outs.append(o)
+    return RoundResult(ttft, shared_s, reused, costs, [chat_outs, shared_outs, cost_outs])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo)")
@@ -98,96 +139,85 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     ap.add_argument("--skip-no-reuse", action="store_true", help="skip (c), the cost where nothing is reused")
+    ap.add_argument("--one-engine-at-a-time", action="store_true",
+                    help="build each engine afresh for its turn of a round and drop it after (for a checkpoint "
+                    "two engines of which do not fit in memory together)")
     ap.add_argument("--section", default=SECTION, help="the docs/benchmarks.md heading to write under")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     setup = Setup(args.model, args.max_num_seqs, int(args.kv_cache_memory * (1 << 30)), args.threads, out)
-    plain, cached = engine(setup, False), engine(setup, True)
-    vocab = plain.engine.model_config.vocab_size
-    name = args.model or "demo"
-    for llm in (plain, cached):  # warm-up: first calls allocate and build
-        llm.generate([{"prompt_token_ids": tokens(random.Random(9), 300, vocab)}], out, use_tqdm=False)
+    kept: dict[bool, LLM] = {}
 
-    lines = [f"Checkpoint {name}; {machine()}; {datetime.date.today()}; {args.threads} thread(s); max_num_seqs "
-             f"{args.max_num_seqs}, {args.kv_cache_memory:g} GiB of cache memory per engine; {args.max_tokens} "
-             f"tokens out per request.", ""]
-    # (a) each round a new conversation on both engines in turn; per turn the best time of the rounds and
-    # the speedup of every round (the two runs of a round are back to back, so they share the load)
-    t_plain = t_cached = None
-    per_round: list[list[float]] = []
+    def ready(caching: bool) -> LLM:
+        if caching in kept:
+            return kept[caching]
+        if args.one_engine_at_a_time:
+            kept.clear()
+            gc.collect()
+        llm = engine(setup, caching)
+        vocab = llm.engine.model_config.vocab_size  # warm-up: first calls allocate and build
+        llm.generate([{"prompt_token_ids": tokens(random.Random(9), 300, vocab)}], out, use_tqdm=False)
+        kept[caching] = llm
+        return llm
+
+    lines = [f"Checkpoint {args.model or 'demo'}; {machine()}; {datetime.date.today()}; {args.threads} thread(s); "
+             f"max_num_seqs {args.max_num_seqs}, {args.kv_cache_memory:g} GiB of cache memory per engine; "
+             f"{args.max_tokens} tokens out per request.", ""]
+    # Each round runs both engines in turn, back to back, so the speedup of a round is measured under one load.
+    rounds: list[tuple[RoundResult, RoundResult]] = []
     for r in range(args.rounds):
-        tp, o_plain = chat_ttft(plain, vocab, out, seed=1 + r)
-        tc, o_cached = chat_ttft(cached, vocab, out, seed=1 + r)
-        assert o_plain == o_cached, "outputs differ with prefix caching"
-        per_round.append([a / b for a, b in zip(tp, tc, strict=True)])
-        print(f"chat round {r + 1}: no caching {ratios([x * 1e3 for x in tp])} ms, caching "
-              f"{ratios([x * 1e3 for x in tc])} ms", flush=True)  # progress: a long run shows what it has
-        t_plain = tp if t_plain is None else [min(a, b) for a, b in zip(t_plain, tp, strict=True)]
-        t_cached = tc if t_cached is None else [min(a, b) for a, b in zip(t_cached, tc, strict=True)]
+        results = []
+        for caching in (False, True):
+            llm = ready(caching)
+            vocab = llm.engine.model_config.vocab_size
+            results.append(run_round(llm, vocab, out, r, args.shared, not args.skip_no_reuse))
+        p, c = results
+        assert p.outputs == c.outputs, "outputs differ with prefix caching"
+        rounds.append((p, c))
+        print(f"round {r + 1}: chat TTFT no caching {ratios([x * 1e3 for x in p.ttft])} ms, caching "
+              f"{ratios([x * 1e3 for x in c.ttft])} ms; shared prefix {p.shared_cpu_s:.2f} / {c.shared_cpu_s:.2f} "
+              f"CPU s", flush=True)  # progress: a long run shows what it has
+    cached = kept.get(True) or ready(True)
+    usage = cached.engine.cache.usage()
+    snaps = cached.engine.cache.prefix.snapshots
+
+    def best(pick) -> tuple[float, float]:
+        return min(pick(p) for p, _ in rounds), min(pick(c) for _, c in rounds)
+
     lines += [f"8-turn chat behind a 1,000-token system prompt (each turn + 40 tokens, the answer re-sent): time "
               f"to first token per turn (ms, wall clock, best of {args.rounds} interleaved rounds; speedup of "
               "each round)", "",
               "| turn | prompt tokens | no caching | caching | speedup per round |", "|---|---|---|---|---|"]
     n = 1000
-    for i, (a, b) in enumerate(zip(t_plain, t_cached, strict=True)):
+    for i in range(len(rounds[0][0].ttft)):
         n += 40
+        a, b = best(lambda x, i=i: x.ttft[i])
         lines.append(f"| {i + 1} | {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | "
-                     f"{ratios([rr[i] for rr in per_round])}x |")
+                     f"{ratios([p.ttft[i] / c.ttft[i] for p, c in rounds])}x |")
         n += args.max_tokens
-    # (b) interleaved rounds, a new prefix each round
-    s_plain, s_cached, speedups, hits = float("inf"), float("inf"), [], 0
-    for r in range(args.rounds):
-        rng = random.Random(200 + r)
-        prefix = tokens(rng, 1000, vocab)
-        shared = [prefix + tokens(rng, 24, vocab) for _ in range(args.shared)]
-        tp, so_plain = batch(plain, shared, out)
-        before = cached.engine.stats().prefix_cache.hits
-        tc, so_cached = batch(cached, shared, out)
-        hits = cached.engine.stats().prefix_cache.hits - before
-        assert so_plain == so_cached, "outputs differ with prefix caching"
-        s_plain, s_cached = min(s_plain, tp), min(s_cached, tc)
-        speedups.append(tp / tc)
-        print(f"shared prefix round {r + 1}: {tp:.2f} / {tc:.2f} CPU s, {hits} tokens reused", flush=True)
-    usage = cached.engine.cache.usage()
-    snaps = cached.engine.cache.prefix.snapshots
+    a, b = best(lambda x: x.shared_cpu_s)
     lines += ["", "| workload | no caching | caching | speedup per round |", "|---|---|---|---|",
               f"| {args.shared} requests sharing a 1,000-token prefix (+24 own, {args.max_tokens} out), at once: "
-              f"CPU s (best of {args.rounds}) | {s_plain:.2f} | {s_cached:.2f} | "
-              f"{' / '.join(f'{x:.2f}' for x in speedups)}x |"]
-    # (c) best of rounds, the two engines in turn, fresh prompts every round
-    costs: list[str] = []  # more CPU time with caching where nothing is reused, per round
-    workloads = () if args.skip_no_reuse else (
-        ("no reuse: 32 distinct 1,000-token prompts, at once", lambda rng: (
-            [tokens(rng, 1000, vocab) for _ in range(32)], out)),
-        ("no reuse: 64 requests, prompts and outputs 16..256 tokens, at once", lambda rng: (
-            [tokens(rng, rng.randint(16, 256), vocab) for _ in range(64)],
-            [SamplingParams(temperature=0.0, max_tokens=rng.randint(16, 256), ignore_eos=True) for _ in range(64)])),
-    )
-    for label, make in workloads:
-        best_plain = best_cached = float("inf")
-        cost = []
-        for r in range(args.rounds):
-            prompts, params = make(random.Random(100 + r))
-            tp, op = batch(plain, prompts, params)
-            tc, oc = batch(cached, prompts, params)
-            assert op == oc, "outputs differ with prefix caching"
-            best_plain, best_cached = min(best_plain, tp), min(best_cached, tc)
-            cost.append(100 * (tc / tp - 1))
-        lines.append(f"| {label}: CPU s (best of {args.rounds}) | {best_plain:.2f} | {best_cached:.2f} | "
-                     f"{' / '.join(f'{c:+.1f}%' for c in cost)} time |")
-        costs.append(f"{100 * (best_cached / best_plain - 1):+.1f}%")
-    lines += ["", f"The last round's {args.shared} shared-prefix requests reused {hits:,} of "
+              f"CPU s (best of {args.rounds}) | {a:.2f} | {b:.2f} | "
+              f"{' / '.join(f'{p.shared_cpu_s / c.shared_cpu_s:.2f}' for p, c in rounds)}x |"]
+    costs: list[str] = []
+    for w, label in enumerate(NO_REUSE_LABELS if not args.skip_no_reuse else []):
+        a, b = best(lambda x, w=w: x.no_reuse_cpu_s[w])
+        per = " / ".join(f"{100 * (c.no_reuse_cpu_s[w] / p.no_reuse_cpu_s[w] - 1):+.1f}%" for p, c in rounds)
+        lines.append(f"| {label}: CPU s (best of {args.rounds}) | {a:.2f} | {b:.2f} | {per} time |")
+        costs.append(f"{100 * (b / a - 1):+.1f}%")
+    lines += ["", f"The last round's {args.shared} shared-prefix requests reused {rounds[-1][1].reused:,} of "
               f"{args.shared * 1024:,} prompt tokens. Snapshot pool at the end: {usage.used_snapshots} of "
               f"{usage.total_snapshots} snapshots, {format_bytes(usage.snapshot_bytes)} "
               f"({format_bytes(snaps.bytes_per_snapshot)} each; the pool's budget "
               f"{format_bytes(snaps.num_total * snaps.bytes_per_snapshot)}); KV blocks cached "
               f"{usage.cached_blocks:,} of {usage.total_blocks:,}."]
     if costs:
-        lines += ["", f"Cost where nothing is reused (best of the rounds): {', '.join(costs)} CPU time (the step hook, "
-                  "snapshot copies at prompt points and decode block boundaries, prompt chunks cut at snapshot "
-                  "points); the rule for turning caching on by default is within 2%."]
+        lines += ["", f"Cost where nothing is reused (best of the rounds): {', '.join(costs)} CPU time (the step "
+                  "hook, snapshot copies at prompt points and decode block boundaries, prompt chunks cut at "
+                  "snapshot points); the rule for turning caching on by default is within 2%."]
     text = args.section + "\n\n" + "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
