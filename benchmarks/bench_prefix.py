@@ -173,6 +173,7 @@ def main() -> None:
             llm = ready(caching)
             vocab = llm.engine.model_config.vocab_size
             results.append(run_round(llm, vocab, out, r, args.shared, not args.skip_no_reuse))
+            del llm  # with --one-engine-at-a-time only `kept` holds it, so the next build can drop it first
         p, c = results
         assert p.outputs == c.outputs, "outputs differ with prefix caching"
         rounds.append((p, c))
