@@ -1,16 +1,19 @@
-"""Prefix caching on and off, one thread (not a test; timing decides nothing).
+"""Prefix caching on and off, one thread unless --threads (not a test; timing decides nothing).
 
-    .venv/bin/python benchmarks/bench_prefix.py [--model DIR] [--rounds 3] [--no-write]
+    .venv/bin/python benchmarks/bench_prefix.py [--model DIR] [--rounds 3] [--shared 64] [--max-num-seqs 64]
+        [--kv-cache-memory GiB] [--threads 1] [--max-tokens 32] [--skip-no-reuse] [--section HEADING] [--no-write]
 
 Workloads, each run on an engine without and one with --enable-prefix-caching (default settings):
-(a) an 8-turn chat behind a 1,000-token system prompt: every turn re-sends the conversation plus a
-    40-token message and gets 32 tokens back; time to first token per turn;
+(a) an 8-turn chat behind a 1,000-token system prompt: every turn re-sends the conversation (the previous
+    answer's token ids included) plus a 40-token message and gets 32 tokens back; time to first token per turn;
 (b) 64 requests sharing a 1,000-token prefix (each + 24 tokens of its own, 32 tokens out), all at once;
 (c) the cost where nothing is reused: 32 distinct 1,000-token prompts, 32 tokens out, all at once, and
     64 requests with prompts and outputs of 16..256 tokens (fresh prompts every round, so the cached
     engine never hits).
-Outputs of the two engines are checked equal. The table goes into docs/benchmarks.md under
-"Prefix caching" (that section is replaced, others are kept)."""
+The two engines run in turn within each round (a new conversation / prefix / prompts per round), so the
+speedups of a round are measured under the same load. Outputs of the two engines are checked equal. The
+table goes into docs/benchmarks.md under "Prefix caching", or --section (that section is replaced, others
+are kept)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import gc
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,11 +37,20 @@ from deltaserve import LLM, SamplingParams  # noqa: E402
 from deltaserve.cli_plan import format_bytes  # noqa: E402
 
 SECTION = "## Prefix caching"
-OUT = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
-def engine(model: str | None, caching: bool) -> LLM:
-    return LLM(model=model, max_model_len=4096, max_num_seqs=64, kv_cache_memory=1 << 30,
+@dataclass(slots=True)
+class Setup:
+    model: str | None
+    max_num_seqs: int
+    kv_cache_memory: int  # bytes
+    threads: int
+    out: SamplingParams
+
+
+def engine(setup: Setup, caching: bool) -> LLM:
+    return LLM(model=setup.model, max_model_len=4096, max_num_seqs=setup.max_num_seqs,
+               kv_cache_memory=setup.kv_cache_memory, num_threads=setup.threads,
                enable_prefix_caching=caching)  # default settings otherwise (block 16, mamba_block_size 512)
 
 
@@ -45,105 +58,171 @@ def tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(n)]
 
 
-def chat_ttft(llm: LLM, vocab: int, turns: int = 8) -> tuple[list[float], list[list[int]]]:
-    rng = random.Random(1)
+def chat_ttft(llm: LLM, vocab: int, out: SamplingParams, seed: int, turns: int = 8
+              ) -> tuple[list[float], list[list[int]]]:
+    """A conversation of its own per seed (so a cached engine that ran other seeds has nothing of it): every
+    turn re-sends the conversation, the previous answer's token ids included, plus a 40-token message."""
+    rng = random.Random(seed)
     prompt = tokens(rng, 1000, vocab)
     ttft, outs = [], []
     for _ in range(turns):
         prompt += tokens(rng, 40, vocab)
-        out = llm.generate([{"prompt_token_ids": prompt}], OUT, use_tqdm=False)[0]
-        ttft.append(out.metrics.time_to_first_token)
-        outs.append(out.outputs[0].token_ids)
-        prompt += out.outputs[0].token_ids
+        res = llm.generate([{"prompt_token_ids": prompt}], out, use_tqdm=False)[0]
+        ttft.append(res.metrics.time_to_first_token)
+        outs.append(res.outputs[0].token_ids)
+        prompt += res.outputs[0].token_ids
     return ttft, outs
 
 
-def batch(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = OUT
+def batch(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
           ) -> tuple[float, list[list[int]]]:
-    """CPU seconds of the process (one thread: the engine's work, and less skewed than wall time by the
-    other jobs of a shared machine) and the outputs."""
+    """CPU seconds of the process (the engine's work, and less skewed than wall time by the other jobs of a
+    shared machine) and the outputs."""
     gc.collect()
     t = time.process_time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return time.process_time() - t, [o.outputs[0].token_ids for o in outs]
 
 
+def ratios(values: list[float]) -> str:
+    return " / ".join(f"{v:.1f}" for v in values)
+
+
+@dataclass(slots=True)
+class RoundResult:
+    """One engine's measurements in one round; outputs are kept to check the two engines agree."""
+
+    ttft: list[float]  # s per chat turn
+    shared_cpu_s: float
+    reused: int  # prompt tokens the shared-prefix requests reused
+    no_reuse_cpu_s: list[float]  # per no-reuse workload
+    outputs: list
+
+
+def no_reuse_workloads(vocab: int, out: SamplingParams, seed: int) -> list:
+    """(c): fresh prompts every round, so a cached engine never hits."""
+    rng = random.Random(100 + seed)
+    return [
+        ([tokens(rng, 1000, vocab) for _ in range(32)], out),
+        ([tokens(rng, rng.randint(16, 256), vocab) for _ in range(64)],
+         [SamplingParams(temperature=0.0, max_tokens=rng.randint(16, 256), ignore_eos=True) for _ in range(64)]),
+    ]
+
+
+NO_REUSE_LABELS = ["no reuse: 32 distinct 1,000-token prompts, at once",
+                   "no reuse: 64 requests, prompts and outputs 16..256 tokens, at once"]
+
+
+def run_round(llm: LLM, vocab: int, out: SamplingParams, r: int, shared_n: int, no_reuse: bool) -> RoundResult:
+    ttft, chat_outs = chat_ttft(llm, vocab, out, seed=1 + r)  # (a) a new conversation each round
+    rng = random.Random(200 + r)  # (b) a new prefix each round
+    prefix = tokens(rng, 1000, vocab)
+    before = llm.engine.stats().prefix_cache
+    shared_s, shared_outs = batch(llm, [prefix + tokens(rng, 24, vocab) for _ in range(shared_n)], out)
+    after = llm.engine.stats().prefix_cache
+    reused = 0 if after is None else after.hits - before.hits
+    costs, cost_outs = [], []
+    for prompts, params in no_reuse_workloads(vocab, out, r) if no_reuse else ():
+        t, o = batch(llm, prompts, params)
+        costs.append(t)
+        cost_outs.append(o)
+    return RoundResult(ttft, shared_s, reused, costs, [chat_outs, shared_outs, cost_outs])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (no caching, then caching)")
+    ap.add_argument("--shared", type=int, default=64, help="requests sharing the 1,000-token prefix")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of cache memory per engine")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    ap.add_argument("--skip-no-reuse", action="store_true", help="skip (c), the cost where nothing is reused")
+    ap.add_argument("--one-engine-at-a-time", action="store_true",
+                    help="build each engine afresh for its turn of a round and drop it after (for a checkpoint "
+                    "two engines of which do not fit in memory together)")
+    ap.add_argument("--section", default=SECTION, help="the docs/benchmarks.md heading to write under")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    plain, cached = engine(args.model, False), engine(args.model, True)
-    vocab = plain.engine.model_config.vocab_size
-    name = args.model or "demo"
-    for llm in (plain, cached):  # warm-up: first calls allocate and build
-        llm.generate([{"prompt_token_ids": tokens(random.Random(9), 300, vocab)}], OUT, use_tqdm=False)
+    torch.set_num_threads(args.threads)
+    out = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    setup = Setup(args.model, args.max_num_seqs, int(args.kv_cache_memory * (1 << 30)), args.threads, out)
+    kept: dict[bool, LLM] = {}
 
-    lines = [f"Checkpoint {name}; {machine()}; {datetime.date.today()}; 1 thread.", ""]
-    # (a) per turn the best of `rounds` conversations, each on fresh engines (a cached engine that saw the
-    # conversation would hit its first turn too)
-    t_plain = t_cached = None
+    def ready(caching: bool) -> LLM:
+        if caching in kept:
+            return kept[caching]
+        if args.one_engine_at_a_time:
+            kept.clear()
+            gc.collect()
+        llm = engine(setup, caching)
+        vocab = llm.engine.model_config.vocab_size  # warm-up: first calls allocate and build
+        llm.generate([{"prompt_token_ids": tokens(random.Random(9), 300, vocab)}], out, use_tqdm=False)
+        kept[caching] = llm
+        return llm
+
+    lines = [f"Checkpoint {args.model or 'demo'}; {machine()}; {datetime.date.today()}; {args.threads} thread(s); "
+             f"max_num_seqs {args.max_num_seqs}, {args.kv_cache_memory:g} GiB of cache memory per engine; "
+             f"{args.max_tokens} tokens out per request.", ""]
+    # Each round runs both engines in turn, back to back, so the speedup of a round is measured under one load.
+    rounds: list[tuple[RoundResult, RoundResult]] = []
     for r in range(args.rounds):
-        p, c = (plain, cached) if r == 0 else (engine(args.model, False), engine(args.model, True))
-        tp, o_plain = chat_ttft(p, vocab)
-        tc, o_cached = chat_ttft(c, vocab)
-        assert o_plain == o_cached, "outputs differ with prefix caching"
-        t_plain = tp if t_plain is None else [min(a, b) for a, b in zip(t_plain, tp, strict=True)]
-        t_cached = tc if t_cached is None else [min(a, b) for a, b in zip(t_cached, tc, strict=True)]
-    lines += [f"8-turn chat behind a 1,000-token system prompt: time to first token per turn (ms, wall clock, best "
-              f"of {args.rounds} conversations)", "",
-              "| turn | prompt tokens | no caching | caching | speedup |", "|---|---|---|---|---|"]
-    n = 1000
-    for i, (a, b) in enumerate(zip(t_plain, t_cached, strict=True)):
-        n += 40
-        lines.append(f"| {i + 1} | {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.1f}x |")
-        n += 32
-    # (b)
-    rng = random.Random(2)
-    prefix = tokens(rng, 1000, vocab)
-    shared = [prefix + tokens(rng, 24, vocab) for _ in range(64)]
-    s_plain, so_plain = batch(plain, shared)
-    before = cached.engine.stats().prefix_cache.hits
-    s_cached, so_cached = batch(cached, shared)
-    hits = cached.engine.stats().prefix_cache.hits - before
-    assert so_plain == so_cached, "outputs differ with prefix caching"
+        results = []
+        for caching in (False, True):
+            llm = ready(caching)
+            vocab = llm.engine.model_config.vocab_size
+            results.append(run_round(llm, vocab, out, r, args.shared, not args.skip_no_reuse))
+            del llm  # with --one-engine-at-a-time only `kept` holds it, so the next build can drop it first
+        p, c = results
+        assert p.outputs == c.outputs, "outputs differ with prefix caching"
+        rounds.append((p, c))
+        print(f"round {r + 1}: chat TTFT no caching {ratios([x * 1e3 for x in p.ttft])} ms, caching "
+              f"{ratios([x * 1e3 for x in c.ttft])} ms; shared prefix {p.shared_cpu_s:.2f} / {c.shared_cpu_s:.2f} "
+              f"CPU s", flush=True)  # progress: a long run shows what it has
+    cached = kept.get(True) or ready(True)
     usage = cached.engine.cache.usage()
-    each = format_bytes(cached.engine.cache.prefix.snapshots.bytes_per_snapshot)
-    lines += ["", "| workload | no caching | caching | speedup |", "|---|---|---|---|",
-              f"| 64 requests sharing a 1,000-token prefix (+24 own, 32 out), at once: CPU s | {s_plain:.2f} | "
-              f"{s_cached:.2f} | {s_plain / s_cached:.2f}x |"]
-    # (c) best of rounds, the two engines in turn, fresh prompts every round
-    costs: list[float] = []  # % more CPU time with caching where nothing is reused
-    for label, make in (
-        ("no reuse: 32 distinct 1,000-token prompts (32 out), at once", lambda rng: (
-            [tokens(rng, 1000, vocab) for _ in range(32)], OUT)),
-        ("no reuse: 64 requests, prompts and outputs 16..256 tokens, at once", lambda rng: (
-            [tokens(rng, rng.randint(16, 256), vocab) for _ in range(64)],
-            [SamplingParams(temperature=0.0, max_tokens=rng.randint(16, 256), ignore_eos=True) for _ in range(64)])),
-    ):
-        best_plain = best_cached = float("inf")
-        for r in range(args.rounds):
-            prompts, params = make(random.Random(100 + r))
-            tp, op = batch(plain, prompts, params)
-            tc, oc = batch(cached, prompts, params)
-            assert op == oc, "outputs differ with prefix caching"
-            best_plain, best_cached = min(best_plain, tp), min(best_cached, tc)
-        lines.append(f"| {label}: CPU s (best of {args.rounds}) | {best_plain:.2f} | {best_cached:.2f} | "
-                     f"{best_plain / best_cached:.3f}x |")
-        costs.append(100 * (best_cached / best_plain - 1))
-    lines += ["", f"The 64 shared-prefix requests reused {hits:,} of {64 * 1024:,} prompt tokens. Snapshot pool "
-              f"at the end: {usage.used_snapshots} of {usage.total_snapshots} snapshots, "
-              f"{format_bytes(usage.snapshot_bytes)} ({each} each); KV blocks cached {usage.cached_blocks:,} "
-              f"of {usage.total_blocks:,}.",
-              "", f"Cost where nothing is reused: {', '.join(f'{c:+.1f}%' for c in costs)} CPU time (the step hook "
-              "and snapshot copies, and prompt chunks cut at snapshot points); the rule for turning caching on by "
-              "default is within 2%."]
-    text = SECTION + "\n\n" + "\n".join(lines) + "\n"
+    snaps = cached.engine.cache.prefix.snapshots
+
+    def best(pick) -> tuple[float, float]:
+        return min(pick(p) for p, _ in rounds), min(pick(c) for _, c in rounds)
+
+    lines += [f"8-turn chat behind a 1,000-token system prompt (each turn + 40 tokens, the answer re-sent): time "
+              f"to first token per turn (ms, wall clock, best of {args.rounds} interleaved rounds; speedup of "
+              "each round)", "",
+              "| turn | prompt tokens | no caching | caching | speedup per round |", "|---|---|---|---|---|"]
+    n = 1000
+    for i in range(len(rounds[0][0].ttft)):
+        n += 40
+        a, b = best(lambda x, i=i: x.ttft[i])
+        lines.append(f"| {i + 1} | {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | "
+                     f"{ratios([p.ttft[i] / c.ttft[i] for p, c in rounds])}x |")
+        n += args.max_tokens
+    a, b = best(lambda x: x.shared_cpu_s)
+    lines += ["", "| workload | no caching | caching | speedup per round |", "|---|---|---|---|",
+              f"| {args.shared} requests sharing a 1,000-token prefix (+24 own, {args.max_tokens} out), at once: "
+              f"CPU s (best of {args.rounds}) | {a:.2f} | {b:.2f} | "
+              f"{' / '.join(f'{p.shared_cpu_s / c.shared_cpu_s:.2f}' for p, c in rounds)}x |"]
+    costs: list[str] = []
+    for w, label in enumerate(NO_REUSE_LABELS if not args.skip_no_reuse else []):
+        a, b = best(lambda x, w=w: x.no_reuse_cpu_s[w])
+        per = " / ".join(f"{100 * (c.no_reuse_cpu_s[w] / p.no_reuse_cpu_s[w] - 1):+.1f}%" for p, c in rounds)
+        lines.append(f"| {label}: CPU s (best of {args.rounds}) | {a:.2f} | {b:.2f} | {per} time |")
+        costs.append(f"{100 * (b / a - 1):+.1f}%")
+    lines += ["", f"The last round's {args.shared} shared-prefix requests reused {rounds[-1][1].reused:,} of "
+              f"{args.shared * 1024:,} prompt tokens. Snapshot pool at the end: {usage.used_snapshots} of "
+              f"{usage.total_snapshots} snapshots, {format_bytes(usage.snapshot_bytes)} "
+              f"({format_bytes(snaps.bytes_per_snapshot)} each; the pool's budget "
+              f"{format_bytes(snaps.num_total * snaps.bytes_per_snapshot)}); KV blocks cached "
+              f"{usage.cached_blocks:,} of {usage.total_blocks:,}."]
+    if costs:
+        lines += ["", f"Cost where nothing is reused (best of the rounds): {', '.join(costs)} CPU time (the step "
+                  "hook, snapshot copies at prompt points and decode block boundaries, prompt chunks cut at "
+                  "snapshot points); the rule for turning caching on by default is within 2%."]
+    text = args.section + "\n\n" + "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
-        write_section(SECTION, text)
+        write_section(args.section, text)
 
 
 if __name__ == "__main__":

@@ -241,3 +241,38 @@ def test_step_hook_skips_a_request_freed_since_it_was_scheduled() -> None:
     m.free("a")  # aborted between schedule and the step's results
     m.after_step([(seq, 0)])
     assert m.blocks.num_cached == 0 and m.prefix.snapshots.num_used == 0
+
+
+def test_decode_snapshots_replace_each_other_and_the_last_one_stays() -> None:
+    """A request past its prompt's snapshot points snapshots each block boundary it decodes to, reusing its
+    previous decode snapshot's entry: it holds one at a time, with the state of the newest boundary, and
+    leaves the last one behind when it finishes. The prompt's own snapshot is never replaced."""
+    from deltaserve.cache.manager import CacheManager
+
+    cache = _cache(2)
+    m = CacheManager(16, 4, 2, SnapshotPool(SnapshotStore(cache, 4)), snapshot_interval=64)
+    seq = Seq(list(range(100, 106)), request_id="a")  # 6 tokens: the prompt's point is 4
+    assert m.lookup_prefix(seq).num_tokens == 0 and m.allocate("a", 6)
+    slot = m.state_slots["a"]
+    assert m.clip_chunk("a", 0, 6) == 4
+    seq.num_computed_tokens = 4
+    m.after_step([(seq, 0)])
+    seq.num_computed_tokens = 6
+    m.after_step([(seq, 4)])
+    snaps = m.prefix.snapshots
+    assert snaps.num_used == 1  # the prompt point
+    for t in range(6, 17):  # decode: tokens 6..16 computed one per step
+        seq.tokens.append(200 + t)
+        assert m.allocate("a", t + 1)
+        cache.ssm[0][slot].fill_(float(t + 1))  # the slot's state "after t+1 tokens"
+        seq.num_computed_tokens = t + 1
+        m.after_step([(seq, t)])
+        assert snaps.num_used == (1 if t + 1 < 8 else 2), t
+    hashes = _hashes(seq.tokens, n=4)
+    assert hashes[0] in snaps and hashes[3] in snaps and hashes[1] not in snaps and hashes[2] not in snaps
+    m.free("a")
+    out = _cache(2)
+    snaps.store.cache = out  # restore into fresh tensors: the entry holds the state after 16 tokens
+    snaps.restore(hashes[3], 1)
+    assert torch.all(out.ssm[0][1] == 16.0)
+    assert snaps.num_used == 2 and not m.prefix._decode_snapshot

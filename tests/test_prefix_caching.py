@@ -46,6 +46,12 @@ def _aligned_end(n: int) -> int:
     return (n - 1) // BS * BS
 
 
+def _answer_end(out) -> int:
+    """The last block boundary a finished request computed (its last sampled token never ran): where its
+    last decode snapshot is, so where the next turn of its chat hits."""
+    return (len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1) // BS * BS
+
+
 def _no_leaks(engine: LLMEngine) -> None:
     cache = engine.cache
     u = cache.usage()
@@ -53,7 +59,8 @@ def _no_leaks(engine: LLMEngine) -> None:
     assert not any(cache.blocks.ref_counts), "a block kept a reference"
     assert not cache.block_tables and not cache.state_slots
     p = cache.prefix
-    assert not p._hashes and not p._points and not p._num_registered, "per-request prefix state leaked"
+    assert not p._hashes and not p._points and not p._num_registered and not p._decode_snapshot, \
+        "per-request prefix state leaked"
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
@@ -79,7 +86,7 @@ PARAMS = {
     (False, 2048, "auto"), (True, 2048, "auto"), (False, 40, "auto"), (True, 40, "auto"),
     (False, 40, "fp8"), (True, 40, "fp8"),  # an fp8 KV cache: blocks of codes and their scales are shared
 ], ids=["fused-whole", "eager-whole", "fused-chunked", "eager-chunked", "fused-chunked-fp8", "eager-chunked-fp8"])
-def test_multi_turn_chat_same_outputs_and_hits_at_the_last_prompt_boundary(path: Path, eager: bool,
+def test_multi_turn_chat_same_outputs_and_hits_at_the_last_answer_boundary(path: Path, eager: bool,
                                                                          budget: int, kv: str) -> None:
     kw = dict(enforce_eager=eager, max_num_batched_tokens=budget, kv_cache_dtype=kv)
     plain, cached = _engine(path, False, **kw), _engine(path, True, **kw)
@@ -87,14 +94,43 @@ def test_multi_turn_chat_same_outputs_and_hits_at_the_last_prompt_boundary(path:
         want = _chat(plain, 5, params, seed=seed)  # a new conversation per kind: no hit on the first turn
         got = _chat(cached, 5, params, seed=seed)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want], kind
-        # Turn k reuses turn k-1's whole prompt up to its last block boundary (its prompt-end snapshot).
-        expect = [0] + [_aligned_end(len(o.prompt_token_ids)) for o in got[:-1]]
+        # Turn k reuses turn k-1's prompt and answer up to their last block boundary (a decode snapshot).
+        expect = [0] + [_answer_end(o) for o in got[:-1]]
         assert [o.num_cached_tokens for o in got] == expect, kind
         assert all(o.num_cached_tokens == 0 for o in want)
         if seed == 0:
             hits_before = sum(expect)
     stats = cached.engine.stats().prefix_cache
     assert stats.hits == sum(o.num_cached_tokens for o in got) + hits_before and stats.requests == 10
+    _no_leaks(cached.engine)
+
+
+@pytest.mark.parametrize("budget", [2048, 40], ids=["whole", "chunked"])
+def test_eight_turn_chat_reuses_the_previous_prompt_and_answer(path: Path, budget: int) -> None:
+    """Every turn n+1 starts after turn n's prompt AND answer (to a block multiple), whatever the answer's
+    length: shorter than a block, ending on a boundary, spanning several blocks; the answers are those of
+    the uncached engine. The hit reaches past the previous prompt's end wherever the answer crosses a
+    block boundary, which only a snapshot taken during decode gives."""
+    g = torch.Generator().manual_seed(21)
+    plain = _engine(path, False, max_num_batched_tokens=budget)
+    cached = _engine(path, True, max_num_batched_tokens=budget)
+    prompt = _tokens(160, g)  # a whole number of blocks: the prompt's own end is a decode-side boundary
+    lengths = [12, 40, 3, 17, 16, 33, 1, 20]  # answers in tokens (ignore_eos: each runs to its max_tokens)
+    got, want = [], []
+    for max_tokens in lengths:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        want.append(plain.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0])
+        got.append(cached.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0])
+        assert got[-1].outputs[0].token_ids == want[-1].outputs[0].token_ids
+        prompt = prompt + got[-1].outputs[0].token_ids + _tokens(int(torch.randint(4, 30, (1,), generator=g)), g)
+    hits = [o.num_cached_tokens for o in got]
+    assert hits == [0] + [_answer_end(o) for o in got[:-1]]
+    assert all(h % BS == 0 for h in hits)
+    past_prompt = [h > _aligned_end(len(o.prompt_token_ids)) for h, o in zip(hits[1:], got, strict=False)]
+    assert sum(past_prompt) >= 5, past_prompt  # the answers of 12 to 40 tokens all cross a boundary
+    # Each request held one decode snapshot at a time: the pool keeps at most one per finished turn beyond
+    # the prompt points, not one per block it decoded.
+    assert cached.engine.cache.prefix.snapshots.num_used <= 3 * len(lengths)
     _no_leaks(cached.engine)
 
 
@@ -169,18 +205,18 @@ def test_memory_pressure_evicts_blocks_and_snapshots_then_recomputes(path: Path)
     g = torch.Generator().manual_seed(10)
     convs = [_tokens(90 + 13 * i, g) for i in range(3)]
     params = PARAMS["greedy"]
-    cached, lengths = [], []
+    cached, outs = [], []
     for c in (0, 0, 1, 1, 2, 2, 0, 1):
         prompt = convs[c]
         want = plain.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         cached.append(got.num_cached_tokens)
-        lengths.append(len(prompt))
+        outs.append(got)
         convs[c] = prompt + got.outputs[0].token_ids + _tokens(9, g)
     pool, snaps = llm.engine.cache.blocks, llm.engine.cache.prefix.snapshots
     assert pool.num_evicted > 0 and snaps.num_evicted > 0 and snaps.num_used == 3
-    hits = [0, _aligned_end(lengths[0]), 0, _aligned_end(lengths[2]), 0, _aligned_end(lengths[4]), 0, 0]
+    hits = [0, _answer_end(outs[0]), 0, _answer_end(outs[2]), 0, _answer_end(outs[4]), 0, 0]
     assert cached == hits
     _no_leaks(llm.engine)
 
@@ -234,8 +270,13 @@ def test_speculative_decoding_same_outputs_and_mtp_next_token_rule(mtp_path: Pat
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
         assert [o.spec.num_accepted_tokens for o in got] == [o.spec.num_accepted_tokens for o in want]
         assert [o.num_cached_tokens for o in got[:3]] == [0, 128, 176]
-        assert [o.num_cached_tokens for o in got[3:]] == [0] + [_aligned_end(len(o.prompt_token_ids))
-                                                                for o in got[3:-1]]
+        # A chat turn hits at least the previous prompt's end, and up to its answer's last block boundary
+        # when a step ended on one (a verify that moves several tokens may jump over a boundary).
+        chat = got[3:]
+        assert chat[0].num_cached_tokens == 0
+        for prev, o in zip(chat, chat[1:], strict=False):
+            assert _aligned_end(len(prev.prompt_token_ids)) <= o.num_cached_tokens <= _answer_end(prev)
+            assert o.num_cached_tokens % BS == 0
         _no_leaks(llm.engine)
     # Without speculation the next token does not matter: the second prompt reuses all 192.
     llm = _engine(mtp_path, True)

@@ -50,3 +50,33 @@ def test_cached_tokens_in_usage_and_metrics(server: ServerProcess) -> None:
     queries = m["deltaserve:prefix_cache_queries_total"] - before["deltaserve:prefix_cache_queries_total"]
     assert queries == 100 + 130 + 3 * prompt
     assert m["deltaserve:gdn_snapshot_memory_bytes"] > 0 and m["deltaserve:gdn_snapshot_used"] >= 3
+
+
+def test_cache_salt_in_the_body_keeps_prefixes_apart(server: ServerProcess) -> None:
+    """vLLM's cache_salt through the openai client's extra_body: equal salts share the cached prefix, a
+    different salt (or none) does not, on both endpoints; an empty salt is a 400 naming the field."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+    ids = [(11 * i + 5) % 8000 + 100 for i in range(90)]
+
+    def cached(salt: str | None) -> int:
+        extra = {"ignore_eos": True} if salt is None else {"ignore_eos": True, "cache_salt": salt}
+        out = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0.0, extra_body=extra)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert [cached(s) for s in ("alice", "bob", "alice", None, "bob")] == [0, 0, 80, 0, 80]
+
+    messages = [{"role": "user", "content": "Salted caches stay apart. " * 10}]
+
+    def chat_cached(salt: str) -> tuple[int, int]:
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0.0,
+                                             extra_body={"ignore_eos": True, "cache_salt": salt})
+        return out.usage.prompt_tokens_details.cached_tokens, out.usage.prompt_tokens
+
+    first, prompt = chat_cached("carol")
+    assert (first, chat_cached("dave")[0], chat_cached("carol")[0]) == (0, 0, (prompt - 1) // 16 * 16)
+
+    for create in (client.completions.create, client.chat.completions.create):
+        body = {"prompt": ids} if create == client.completions.create else {"messages": messages}
+        with pytest.raises(openai.BadRequestError, match="cache_salt.*non-empty string"):
+            create(model=MODEL, max_tokens=2, extra_body={"cache_salt": ""}, **body)
+

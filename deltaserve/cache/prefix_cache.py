@@ -16,6 +16,16 @@ Where snapshots are taken (a request's "snapshot points", chosen when it is admi
 The scheduler cuts prompt chunks at these points (clip_chunk), and after the step the slot's state is
 copied into the snapshot pool.
 
+Past its prompt's points, a request also snapshots every block boundary it reaches (during decode, or at
+the end of a prompt that is a whole number of blocks), each replacing the request's previous one, so it
+holds one decode snapshot at a time and leaves the last block boundary of its generated text behind when
+it finishes. The next turn of a chat re-sends the prompt and this answer, so it hits up to that boundary
+(at most one block short of the answer's end) instead of only up to the previous prompt's end. Earlier
+boundaries are not kept: a later request reads on from the end of the answer or diverges inside the prompt
+(where the prompt's own snapshots are). The cost is one slot copy per request every block_size decode
+tokens, a fraction of the state traffic of those steps. With speculation a verify step moves several
+tokens at once, so a decode snapshot is taken only when a step happens to end on a boundary.
+
 Speculative decoding (MTP): the MTP layer's entry at position t reads token t+1, so the entry at a
 block's last position is valid only for sequences whose next token is the same. Each cached block records
 the token after it in the sequence that wrote it, and a hit uses a block only where the request's own next
@@ -62,6 +72,7 @@ class PrefixCache:
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}  # blocks of the request's table already cached
         self._points: dict[str, list[int]] = {}  # snapshot points still ahead, ascending
+        self._decode_snapshot: dict[str, BlockHash] = {}  # the request's latest decode snapshot, replaced next
 
     def _block_hashes(self, seq: TokenSequence, num_blocks: int) -> list[BlockHash]:
         return extend_block_hashes(self._hashes.setdefault(seq.request_id, []), seq, num_blocks, self.block_size)
@@ -128,6 +139,10 @@ class PrefixCache:
                     self.snapshots.save(self._block_hashes(seq, done // bs)[done // bs - 1], slots[rid])
                 while points and points[0] <= done:
                     points.pop(0)
+            elif not points and done % bs == 0:  # a block boundary past the prompt's points: decode snapshot
+                key = self._block_hashes(seq, done // bs)[done // bs - 1]
+                if self.snapshots.save(key, slots[rid], replacing=self._decode_snapshot.get(rid)):
+                    self._decode_snapshot[rid] = key
             last = (context_len if self.with_mtp else done) // bs
             first = registered.get(rid, 0)
             if last > first:
@@ -142,3 +157,4 @@ class PrefixCache:
         self._hashes.pop(request_id, None)
         self._num_registered.pop(request_id, None)
         self._points.pop(request_id, None)
+        self._decode_snapshot.pop(request_id, None)  # the snapshot itself stays, for the next turn

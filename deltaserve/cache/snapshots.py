@@ -105,12 +105,16 @@ class SnapshotPool:
     def __contains__(self, key: BlockHash) -> bool:
         return key in self._entries
 
-    def save(self, key: BlockHash, slot: int) -> None:
-        """Keep state slot `slot` as the snapshot for key (a key already held is only marked used)."""
+    def save(self, key: BlockHash, slot: int, replacing: BlockHash | None = None) -> bool:
+        """Keep state slot `slot` as the snapshot for key (a key already held is only marked used). With
+        `replacing` (a key held or not), its entry is reused instead of taking another. True when key's
+        entry was written (the caller may later replace it), False when key was held already."""
         if key in self._entries:
             self._entries.move_to_end(key)
-            return
-        if self._free:
+            return False
+        if replacing is not None and replacing in self._entries:
+            entry = self._entries.pop(replacing)
+        elif self._free:
             entry = self._free.pop()
         else:
             _, entry = self._entries.popitem(last=False)
@@ -118,6 +122,7 @@ class SnapshotPool:
         self.store.save(entry, slot)
         self._entries[key] = entry
         self.num_saved += 1
+        return True
 
     def restore(self, key: BlockHash, slot: int) -> None:
         """Load the snapshot for key into state slot `slot` (key must be held)."""

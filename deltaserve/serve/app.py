@@ -35,7 +35,7 @@ from deltaserve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from deltaserve.serve.middleware import CatchServerErrors, LimitRequestBody, RequireAPIKey
 from deltaserve.serve.openapi import install_openapi
 from deltaserve.serve.params import RequestRules
-from deltaserve.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from deltaserve.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, engine_prompt
 from deltaserve.serve.responses import (
     ResponsesRequest,
     ResponseStore,
@@ -131,7 +131,7 @@ def build_app(
         prompt_logprobs = None
         if body.prompt_logprobs is not None:
             prompt_logprobs = await scorer.score(prep.prompt_token_ids, body.prompt_logprobs)
-        stream = await _add(async_engine, prep.request_id, prep.engine_prompt(), prep.params)
+        stream = await _add(async_engine, prep.request_id, prep.engine_prompt(body.cache_salt), prep.params)
         if body.stream:
             return StreamingResponse(
                 chat_stream(async_engine, body, prep, stream, served_model_name),
@@ -149,10 +149,7 @@ def build_app(
         check_model(body.model)
         prep = await _prepare(raw, prepare_response, async_engine, body, tool_config, responses_store, rules)
         chat = prep.chat
-        stream = await _add(
-            async_engine, chat.request_id, {"prompt": chat.prompt, "prompt_token_ids": chat.prompt_token_ids},
-            chat.params,
-        )
+        stream = await _add(async_engine, chat.request_id, chat.engine_prompt(body.cache_salt), chat.params)
         if body.stream:
             return StreamingResponse(
                 response_stream(async_engine, prep, stream, served_model_name, responses_store),
@@ -173,11 +170,7 @@ def build_app(
                 if p.params is None:  # max_tokens 0 with echo: the prompt is scored, nothing generated
                     streams.append(None)
                     continue
-                prompt = (
-                    {"prompt_token_ids": p.token_ids}
-                    if p.text is None
-                    else {"prompt": p.text, "prompt_token_ids": p.token_ids}
-                )
+                prompt = engine_prompt(p.token_ids, p.text, body.cache_salt)
                 streams.append(await _add(async_engine, p.request_id, prompt, p.params))
         except BaseException:
             for s in streams:

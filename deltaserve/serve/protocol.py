@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from deltaserve.sampling import MAX_LOGPROBS
@@ -96,6 +96,30 @@ class _SamplingFields(_Request):
     # Structured outputs (deltaserve/serve/structured.py): OpenAI's and vLLM's fields.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's: requests with different salts never share cached prefix blocks (one tenant's prompt cannot be
+    # probed by another's timing). It keys the first block's hash (deltaserve/cache/prefix.py).
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _non_empty_salt(cls, salt: str | None) -> str | None:
+        return check_cache_salt(salt)
+
+
+def check_cache_salt(salt: str | None) -> str | None:
+    if salt is not None and not salt:
+        raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")  # vLLM's words
+    return salt
+
+
+def engine_prompt(token_ids: list[int], text: str | None, cache_salt: str | None) -> dict[str, Any]:
+    """The prompt as the engine takes it: token ids, the text they came from (if any), the cache salt."""
+    prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+    if text is not None:
+        prompt["prompt"] = text
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return prompt
 
 
 class FunctionCall(_Request):

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from deltaserve.engine.async_engine import AsyncEngine, RequestStream
 from deltaserve.engine.detokenizer import stop_holdback
@@ -31,7 +31,7 @@ from deltaserve.outputs import RequestOutput
 from deltaserve.serve.chat_tools import ToolConfig
 from deltaserve.serve.errors import APIError
 from deltaserve.serve.params import RequestRules
-from deltaserve.serve.protocol import ChatCompletionRequest
+from deltaserve.serve.protocol import ChatCompletionRequest, check_cache_salt
 from deltaserve.serve.reasoning import StreamingReasoningParser
 from deltaserve.serve.serving_chat import PreparedChat, prepare_chat
 from deltaserve.serve.streaming import ChoiceCursor, sse_error
@@ -62,6 +62,12 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     truncation: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = None  # vLLM's; as in chat completions
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _non_empty_salt(cls, salt: str | None) -> str | None:
+        return check_cache_salt(salt)
 
 
 @dataclass(slots=True)

@@ -31,6 +31,7 @@ from deltaserve.serve.protocol import (
     DeltaMessage,
     PromptTokensDetails,
     UsageInfo,
+    engine_prompt,
     random_id,
 )
 from deltaserve.serve.reasoning import THINK_END, StreamingReasoningParser, split_reasoning, thinking_open
@@ -50,8 +51,8 @@ class PreparedChat:
     tools: ToolPlan
     images: list[Any] = field(default_factory=list)  # decoded pictures of the image_url parts, in order
 
-    def engine_prompt(self) -> dict[str, Any]:
-        prompt: dict[str, Any] = {"prompt": self.prompt, "prompt_token_ids": self.prompt_token_ids}
+    def engine_prompt(self, cache_salt: str | None = None) -> dict[str, Any]:
+        prompt = engine_prompt(self.prompt_token_ids, self.prompt, cache_salt)
         if self.images:
             prompt["multi_modal_data"] = {"image": self.images}
         return prompt
