@@ -331,25 +331,29 @@ def llama_src(arg: str | None) -> Path:
     return found[-1]
 
 
-def gguf_files(ckpt: Path, src: Path, peer_python: str, kinds: list[str]) -> dict[str, Path]:
-    """The checkpoint as GGUF in each wanted type, converted / quantized once and kept beside it."""
-    files = {"BF16": WORKDIR / "qwen3.5-0.8b-random.BF16.gguf"}
+def gguf_files(ckpt: Path, src: Path, peer_python: str, kinds: list[str],
+               stem: str = "qwen3.5-0.8b-random") -> dict[str, Path]:
+    """The checkpoint as GGUF in each wanted type, converted / quantized once and kept in WORKDIR."""
+    WORKDIR.mkdir(parents=True, exist_ok=True)
+    files = {"BF16": WORKDIR / f"{stem}.BF16.gguf"}
     if not files["BF16"].exists():
-        # The converter needs a tokenizer, and the random checkpoint has none: the demo's, beside links to
-        # the checkpoint's files (it pads the vocabulary to the config's 248320). The ids are the same.
-        with_tokenizer = WORKDIR / "qwen3.5-0.8b-random-with-tokenizer"
-        with_tokenizer.mkdir(exist_ok=True)
-        for name in ("config.json", "model.safetensors"):
-            if not (with_tokenizer / name).exists():
-                (with_tokenizer / name).symlink_to(ckpt / name)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copyfile(DEMO_TOKENIZER_DIR / name, with_tokenizer / name)
-        subprocess.run([sys.executable, __file__, "--convert", str(src), str(with_tokenizer), str(files["BF16"])],
+        source = ckpt
+        if not (ckpt / "tokenizer.json").exists():
+            # The converter needs a tokenizer, and the random checkpoint has none: the demo's, beside links
+            # to the checkpoint's files (it pads the vocabulary to the config's 248320). The ids are the same.
+            source = WORKDIR / f"{stem}-with-tokenizer"
+            source.mkdir(exist_ok=True)
+            for name in ("config.json", "model.safetensors"):
+                if not (source / name).exists():
+                    (source / name).symlink_to(ckpt / name)
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copyfile(DEMO_TOKENIZER_DIR / name, source / name)
+        subprocess.run([sys.executable, __file__, "--convert", str(src), str(source), str(files["BF16"])],
                        check=True)
     for kind in kinds:
         if kind == "BF16":
             continue
-        files[kind] = WORKDIR / f"qwen3.5-0.8b-random.{kind}.gguf"
+        files[kind] = WORKDIR / f"{stem}.{kind}.gguf"
         if not files[kind].exists():
             subprocess.run([peer_python, __file__, "--quantize", str(files["BF16"]), str(files[kind]), kind],
                            check=True)
