@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_formats import DEMO_TOKENIZER_DIR as DEMO_DIR  # noqa: E402
 from bench_formats import FORMATS, PEERS, gguf_files, llama_src  # noqa: E402
 
 
@@ -74,14 +75,9 @@ def deltaserve_ppl(args: argparse.Namespace, fmt: str, docs: list) -> tuple[floa
 
 
 def main() -> None:
-    from deltaserve.assets import DEMO_DIR
-    from deltaserve.cli_eval import DEMO_HELDOUT
-    from deltaserve.perplexity import load_documents, windows
-    from deltaserve.tokenizer import Tokenizer
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEMO_DIR), help="checkpoint directory (default: the demo)")
-    ap.add_argument("--text", default=str(DEMO_HELDOUT))
+    ap.add_argument("--text", default=str(DEMO_DIR / "heldout.jsonl"))
     ap.add_argument("--formats", type=lambda s: s.split(","), default=list(FORMATS))
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1)
@@ -90,8 +86,10 @@ def main() -> None:
     ap.add_argument("--llama-cpp-src", default=None)
     ap.add_argument("--llama-worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.llama_worker:
+    if args.llama_worker:  # before any deltaserve import: the peer's venv has none
         return llama_worker(*args.llama_worker)
+    from deltaserve.perplexity import load_documents, windows
+    from deltaserve.tokenizer import Tokenizer
 
     docs = load_documents(args.text)
     rows: list[tuple[str, str, tuple[float, int] | str]] = []
