@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from deltaserve.cli_bench import add_bench_parser
+from deltaserve.cli_eval import add_eval_parser
 from deltaserve.cli_plan import add_plan_parser
 from deltaserve.cli_serve import add_serve_parser
 from deltaserve.inspect.cli import add_inspect_parser
@@ -181,6 +182,7 @@ def run_worker(args: argparse.Namespace) -> int:
 # bench:   add_bench_parser   (benchmarks)
 # plan:    add_plan_parser    (memory planner, deltaserve/cli_plan.py)
 # inspect: add_inspect_parser (web inspector)
+# eval:    add_eval_parser    (perplexity, deltaserve/cli_eval.py)
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_generate_parser,
@@ -188,6 +190,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_serve_parser,
     add_bench_parser,
     add_inspect_parser,
+    add_eval_parser,
     add_worker_parser,
 ]
 
