@@ -71,7 +71,7 @@ class NamedTensors {
     std::vector<int64_t> full = shape;
     full.push_back(K);
     TORCH_CHECK(it != tensors_.end(), "FusedStack: ", where_, "missing tensor ", name, " ", shape_text(full));
-    format = format_of(it->second.scalar_type(), name);
+    format = format_of(it->second.scalar_type(), where_ + name);
     full.back() = format == Format::kInt4 ? (K + 1) / 2 : K;
     const at::Tensor data = take(name, full, it->second.scalar_type());
     at::Tensor scale;
