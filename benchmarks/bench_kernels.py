@@ -18,6 +18,7 @@ import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -88,8 +89,8 @@ def run(shapes: list[str], formats: list[str], rows: list[int], threads: list[in
                     repeat = repeat_for(t * n * k)
                     ours = theirs = float("inf")
                     for _ in range(rounds):  # alternate: the machine's load changes under both alike
-                        ours = min(ours, best_time(lambda: ext.linear(x, parts), repeat))
-                        theirs = min(theirs, best_time(lambda: torch.nn.functional.linear(x, dense), repeat))
+                        ours = min(ours, best_time(partial(ext.linear, x, parts), repeat))
+                        theirs = min(theirs, best_time(partial(torch.nn.functional.linear, x, dense), repeat))
                     results.append(Result(shape, name, t, nthreads, ours, theirs, t * n * k, fmt.nbytes(n, k)))
                     print(format_result(results[-1]), flush=True)
             del dense, data, scale

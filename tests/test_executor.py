@@ -31,7 +31,7 @@ def build(checkpoint, dtype: str, caplog, **kwargs) -> Executor:
     [
         ("float32", {}, "fused-cpu", "executor: fused-cpu"),
         ("float32", {"enforce_eager": True}, "torch", "executor: torch (enforce_eager)"),
-        ("bfloat16", {}, "torch", "executor: torch, since weights are not float32"),
+        ("bfloat16", {}, "torch", "executor: torch, since the cache is not float32"),
     ],
 )
 def test_the_factory_logs_which_executor_and_why(checkpoint, caplog, dtype, kwargs, name, why) -> None:

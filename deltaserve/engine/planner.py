@@ -390,6 +390,6 @@ def plan_memory(
         vision_params=by_name["vision tower"].total_params if "vision tower" in by_name else 0,
         model_name=model_name,
     )
-    # The fused CPU step reads the weights as loaded (deltaserve/executor/fused_cpu): no copies to count.
+    # The fused CPU step reads the weights as loaded: no copies to count.
     plan.total_bytes = plan.weight_bytes + plan.cache_bytes
     return plan

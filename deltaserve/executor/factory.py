@@ -28,7 +28,8 @@ def make_executor(
         return TorchExecutor(model, cache)
     reason = supported(model, cache)
     if reason is not None:
-        log.info("executor%s: torch, since %s (the fused step is float32 only)", rank, reason)
+        log.info("executor%s: torch, since %s (the fused step takes weights in any stored format and float32 "
+                 "caches)", rank, reason)
         return TorchExecutor(model, cache)
     try:
         executor = FusedCPUExecutor(model, cache, with_mtp=with_mtp)
