@@ -35,7 +35,7 @@ def ext(request):
 FORMATS = [WeightFormat.of("float32"), WeightFormat.of("bfloat16"), WeightFormat.of("fp8"),
            WeightFormat.of("fp8", 48), WeightFormat.of("int8"), WeightFormat.of("int8", 10), WeightFormat.of("int4"),
            WeightFormat.of("int4", 6)]
-SHAPES = [(70, 33), (130, 200), (5, 1), (64, 1100)]  # (N, K): 1100 inputs take two tiles of kKBlock
+SHAPES = [(70, 33), (130, 200), (5, 1), (64, 1100)]  # (N, K): K blocks of kKBlock, a partial last one
 
 
 def fmt_id(fmt: WeightFormat) -> str:

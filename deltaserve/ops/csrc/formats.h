@@ -33,7 +33,7 @@ struct WeightPart {
   int64_t groups = 0;     // scales per row
 };
 
-inline bool quantized(Format f) { return f == Format::kFp8 || f == Format::kInt8 || f == Format::kInt4; }
+constexpr bool quantized(Format f) { return f == Format::kFp8 || f == Format::kInt8 || f == Format::kInt4; }
 
 // The format by the name formats.py gives it ("float32", "bfloat16", "fp8", "int8", "int4").
 Format format_named(const std::string& name);
@@ -60,11 +60,16 @@ inline const std::array<float, 256>& fp8_values() {
   return table;
 }
 
-// The scale of row `row`, column k of a quantized part, in fp32.
-inline float scale_at(const WeightPart& p, const void* scales, int64_t row, int64_t k) {
-  const int64_t at = row * p.groups + std::min(k, p.K - 1) / p.group;  // (lanes past K: any scale, value 0)
+// Scale number `at` of a quantized part (row r's group g: at = r * groups + g), in fp32.
+inline float scale_by_index(const WeightPart& p, const void* scales, int64_t at) {
   return p.format == Format::kFp8 ? static_cast<const float*>(scales)[at]
                                   : bf16_to_float(static_cast<const uint16_t*>(scales)[at]);
+}
+
+// The scale of row `row`, column k of a quantized part, in fp32.
+inline float scale_at(const WeightPart& p, const void* scales, int64_t row, int64_t k) {
+  // (lanes past K: any scale, their value is 0)
+  return scale_by_index(p, scales, row * p.groups + std::min(k, p.K - 1) / p.group);
 }
 
 // w[row, k0 .. k0 + n) of part p in fp32 (n <= 16), times their scales: the portable widening (and the
@@ -101,11 +106,18 @@ inline __m512 scales16(const WeightPart& p, const void* scales, int64_t row, int
   return _mm512_load_ps(s);
 }
 
+// The scales of columns k0 .. k0 + 16 of a row whose group holds all 16 (group a multiple of 16): g = k0 / group,
+// counted by the caller (a division per 16 values would cost more than the widening).
+inline __m512 group_scale(const WeightPart& p, const void* scales, int64_t row, int64_t g) {
+  return _mm512_set1_ps(scale_by_index(p, scales, row * p.groups + g));
+}
+
 // w[row, k0 .. k0 + 16) in fp32 (k0 a multiple of 16; lanes at or past K, under `valid`'s zero bits, are 0):
-// the stored values widened in registers, times their scales.
+// the stored values widened in registers, times their scales `scale` (quantized formats; group_scale or
+// scales16).
 template <Format F>
-inline __m512 widen16(const WeightPart& p, const uint8_t* row_data, const void* scales, int64_t row, int64_t k0,
-                      __mmask16 valid) {
+inline __m512 widen16(const uint8_t* row_data, int64_t k0, __mmask16 valid, __m512 scale) {
+  (void)scale;  // (unquantized formats)
   if constexpr (F == Format::kFloat32) {
     return _mm512_maskz_loadu_ps(valid, reinterpret_cast<const float*>(row_data) + k0);
   } else if constexpr (F == Format::kBFloat16) {
@@ -113,7 +125,7 @@ inline __m512 widen16(const WeightPart& p, const uint8_t* row_data, const void* 
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   } else if constexpr (F == Format::kInt8) {
     const __m128i q = _mm_maskz_loadu_epi8(valid, row_data + k0);
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scales16(p, scales, row, k0));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale);
   } else if constexpr (F == Format::kInt4) {
     // 8 bytes, two columns each: byte j -> lanes 2j (low nibble) and 2j + 1 (high nibble)
     const __mmask16 bytes = static_cast<__mmask16>((1u << ((__builtin_popcount(valid) + 1) / 2)) - 1);
@@ -121,7 +133,7 @@ inline __m512 widen16(const WeightPart& p, const uint8_t* row_data, const void* 
     const __m256i pairs = _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)),
                                           _mm256_slli_epi32(_mm256_srli_epi32(b, 4), 16));
     const __m512i q = _mm512_sub_epi32(_mm512_cvtepu16_epi32(pairs), _mm512_set1_epi32(8));
-    return _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(valid, q), scales16(p, scales, row, k0));
+    return _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(valid, q), scale);
   } else {  // fp8 E4M3: s eeee mmm -> the fp16 s 0eeee mmm0000000 is the value / 2^8 (subnormals included)
     const __m256i b = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(valid, row_data + k0));
     const __m256i magnitude = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
@@ -130,7 +142,7 @@ inline __m512 widen16(const WeightPart& p, const uint8_t* row_data, const void* 
     const __m512 v = _mm512_cvtph_ps(half);  // exact
     const __mmask16 nan = _mm256_cmpeq_epi16_mask(magnitude, _mm256_set1_epi16(0x7F));  // E4M3FN's only NaN
     // times (scale x 2^8): the same one rounding as value x scale (2^8 is exact; no overflow at these scales)
-    const __m512 w = _mm512_mul_ps(v, _mm512_mul_ps(scales16(p, scales, row, k0), _mm512_set1_ps(256.0f)));
+    const __m512 w = _mm512_mul_ps(v, _mm512_mul_ps(scale, _mm512_set1_ps(256.0f)));
     return _mm512_mask_mov_ps(w, nan, _mm512_set1_ps(NAN));
   }
 }

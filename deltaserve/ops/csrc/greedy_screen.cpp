@@ -113,7 +113,7 @@ void screened_greedy(const at::Tensor& h, const GreedyScreen& s, const Linear& l
       const int64_t n0 = p * kPanel, ncols = std::min(kPanel, N - n0);
       for (int64_t t = 0; t < T; t += 4) {  // 4 outputs' weights stay in L1 while the row tiles pass
         const int64_t rows = std::min<int64_t>(4, T - t);
-        with_rows4(rows, [&](auto R) {
+        with_rows<4>(rows, [&](auto R) {
           constexpr int kR = decltype(R)::value;
           int64_t j = 0;
           for (; j + 4 <= ncols; j += 4) {
