@@ -7,8 +7,8 @@ transformers, batch 1, one thread unless --threads (not a test; timing decides n
 The checkpoint is random, with the Qwen3.5-35B-A3B's ratios scaled down (hidden 1024 instead of 2048,
 128 experts instead of 256, top-8, expert and shared-expert width hidden/4, 8 / 2 attention heads, GDN
 8 key and 16 value heads): with 8 layers about 0.9 B parameters (1.8 GB in bf16), of which about 0.1 B are
-active per token. Every side loads it in fp32 and all stay resident (about 4 GB each, the fused step's bf16
-panels 2 GB more) while their rounds alternate: --layers 4 halves that. Prints each side's decode tokens/s
+active per token. Every side loads it in fp32 and all stay resident (about 4 GB each; the fused step reads
+the weights as loaded) while their rounds alternate: --layers 4 halves that. Prints each side's decode tokens/s
 and the fused MoE's ratio to it; --dense adds a dense checkpoint of the same active parameters (MLP width
 top_k * expert width + shared width) on both of deltaserve's executors."""
 

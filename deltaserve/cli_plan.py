@@ -171,9 +171,6 @@ def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
     add(f"  per decode token: reads {format_bytes(plan.active_weight_bytes)} of the {format_bytes(plan.weight_bytes)}"
         f" loaded; active parameters {format_params(plan.active_params)} of {format_params(plan.text_params)}"
         f"{' (top-k routed experts, one embedding row)' if plan.num_experts else ' (one embedding row)'}")
-    if plan.fused_copy_bytes:
-        add(f"  fused step on a CPU: + {format_bytes(plan.fused_copy_bytes)} of bf16 copies (the projections "
-            "in panels, the lm_head twice)")
     add("")
     def row(label: str, value: int, note: str = "") -> None:
         add(f"  {label:<24}{format_bytes(value):>12}{'   ' + note if note else ''}")
@@ -196,9 +193,8 @@ def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
         row("prefix-cache snapshots", plan.gdn_snapshot_bytes,
             f"({plan.num_gdn_snapshots} snapshots of one slot each)")
     add("")
-    copies = f" + fused copies {format_bytes(plan.fused_copy_bytes)}" if plan.fused_copy_bytes else ""
     add(f"Total per rank            {format_bytes(plan.total_bytes):>12}   "
-        f"(weights {format_bytes(plan.weight_bytes)}{copies}, cache {format_bytes(plan.cache_bytes)}; "
+        f"(weights {format_bytes(plan.weight_bytes)}, cache {format_bytes(plan.cache_bytes)}; "
         "activations not included)")
     if gpu_memory_bytes is not None:
         free = gpu_memory_bytes - plan.weight_bytes - plan.gdn_state_bytes - plan.gdn_snapshot_bytes

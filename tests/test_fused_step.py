@@ -1,9 +1,11 @@
 """The fused C++ step (deltaserve/executor/fused_cpu, deltaserve/ops/csrc) against the Python model it replaces:
 the same hidden states, logits, cache writes and per-position verify states, on random checkpoints whose
-weights are fp32 (MKL projections) or exactly bf16 (the bf16 panel projections)."""
+weights are fp32 (some with values that are bf16 numbers), and on models whose projections are stored in
+bfloat16, fp8, int8 or int4 (against the same model with the dequantized weights)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,9 @@ from deltaserve.cache.tensors import allocate_cache
 from deltaserve.executor import TorchExecutor
 from deltaserve.executor.fused_cpu.stack import FusedMTP, FusedTrunk, supported
 from deltaserve.model.context import ForwardContext
+from deltaserve.model.linear import Linear, store, tie
 from deltaserve.model.loader import load_model
+from deltaserve.ops.formats import WeightFormat, dequantize, quantize
 from deltaserve.ops.fused_ext import load_extension
 from tests.checkpoints import (
     RATIOS_27B,
@@ -55,10 +59,10 @@ def ext(request):
 
 def test_the_portable_build_runs_the_portable_branches(model) -> None:
     """The portable build has no AVX-512, so no bf16 screen (AVX512-BF16 only) even on a CPU that has it;
-    the native build screens a bf16-valued lm_head on such a CPU."""
+    the native build screens an lm_head stored in bf16 on such a CPU."""
     cache = allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1)
     assert not FusedTrunk(model, cache, load_extension(portable=True)).greedy_screen
-    bf16_lm_head = torch.equal(model.lm_head.weight.bfloat16().float(), model.lm_head.weight)
+    bf16_lm_head = model.lm_head.weight.dtype == torch.bfloat16
     cpu_has_bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
     assert FusedTrunk(model, cache).greedy_screen == (bf16_lm_head and cpu_has_bf16)
 
@@ -92,7 +96,52 @@ def assert_caches_equal(a, b) -> None:
 @torch.inference_mode()
 @pytest.mark.parametrize("prompt_attention", ["loop", "torch-kernel"])
 def test_fused_steps_match_the_python_model(model, ext, prompt_attention: str) -> None:
-    ref_cache, fused_cache = junk_cache(model, 0), junk_cache(model, 0)
+    assert_steps_match(model, model, ext, prompt_attention)
+
+
+# Unquantized in every format, as the loader leaves them (Qwen's FP8 releases too): the GDN b and a
+# projections and the router.
+UNQUANTIZED = ("in_proj_b", "in_proj_a", "mlp.gate")
+
+
+def stored_in(model, fmt: WeightFormat):
+    """(reference, stored): the model with each projection's weight replaced by its fmt values dequantized
+    (fp32), and a copy whose projections hold the stored data, scales and format themselves (the contract of
+    deltaserve/model/linear.py: .weight, .weight_scale, .fmt). A tied embedding is the stored lm_head's data."""
+    tied = model.model.embed_tokens.weight is model.lm_head.weight
+    stored = copy.deepcopy(model)
+    for (name, ref), (_, mod) in zip(model.named_modules(), stored.named_modules()):
+        if not isinstance(ref, Linear) or name.endswith(UNQUANTIZED) and fmt.quantized:
+            continue
+        k = ref.weight.shape[1]
+        data, scale = quantize(ref.weight.detach(), fmt)
+        ref.weight.data.copy_(dequantize(data, scale, fmt, k))
+        store(mod, fmt)
+        mod.weight.data.copy_(data)
+        if scale is not None:
+            mod.weight_scale.data.copy_(scale)
+    if tied:
+        tie(stored.model.embed_tokens, stored.lm_head)
+    return model, stored
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8", "int8", "int4"])
+def test_fused_steps_of_stored_formats_match_the_python_model(tmp_path, ext, fmt: str) -> None:
+    """The fused step reads the stored weights (formats mixed within a fused projection: int8 q|k|v|z with
+    float32 b|a) and matches the Python model computing with their dequantized values; tied (bf16, int8), the
+    embedding rows are read from the lm_head's stored data and scales."""
+    tie = fmt in ("bfloat16", "int8")
+    hf = random_hf_model(dict(TINY, hidden_size=40), seed=6, tie=tie)  # K = 40: a partial last group of 32
+    ref, stored = stored_in(load_model(save_causal_lm_layout(hf, tmp_path), dtype="float32"), WeightFormat.of(fmt))
+    assert stored.model.layers[0].linear_attn.in_proj_qkv.weight.dtype == WeightFormat.of(fmt).data_dtype
+    assert (ref.model.embed_tokens.weight is ref.lm_head.weight) == tie
+    with torch.inference_mode():
+        assert_steps_match(ref, stored, ext, "loop")
+
+
+def assert_steps_match(ref_model, model, ext, prompt_attention: str) -> None:
+    """The fused trunk of `model` over prompt, decode and verify steps against ref_model's forward."""
+    ref_cache, fused_cache = junk_cache(ref_model, 0), junk_cache(model, 0)
     fused = FusedTrunk(model, fused_cache, ext)
     if prompt_attention == "torch-kernel":  # chunks of more than 16 tokens, as when their K/V outgrow the caches
         fused.set_loop_kv_bytes(0)
@@ -106,17 +155,18 @@ def test_fused_steps_match_the_python_model(model, ext, prompt_attention: str) -
         ([(18, 20), (3, 37)], None),
         # a decode, a verify segment of 4, a prompt tail of 3, a fresh 2-token prompt, a fresh single token
         ([(1, 38), (4, 40), (3, 5), (2, 0), (1, 0)], [False, True, False, False, False]),
-        # decodes and a verify of 3 (the panel kernel's 1-3 row tails)
+        # decodes and a verify of 3 (the projections' 1-3 row tails)
         ([(1, 39), (3, 41), (1, 8), (1, 2), (1, 1)], [False, True, False, False, False]),
     ]
     for lens, verify in steps:
         T = sum(q for q, _ in lens)
         ids = torch.randint(0, V, (T,), generator=g)
         ref_ctx, fused_ctx = context(ref_cache, lens, verify), context(fused_cache, lens, verify)
-        expected = model(ids, ref_ctx)
+        expected = ref_model(ids, ref_ctx)
         got = fused(ids, fused_ctx)
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(fused.logits(got), model.compute_logits(expected), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fused.logits(got), ref_model.compute_logits(expected), atol=1e-4, rtol=1e-4)
+        assert torch.equal(fused.greedy_tokens(got), fused.logits(got).argmax(dim=-1))
         assert fused_ctx.spec_states.keys() == ref_ctx.spec_states.keys()
         for layer, (conv, ssm) in ref_ctx.spec_states.items():
             got_conv, got_ssm = fused_ctx.spec_states[layer]
@@ -172,7 +222,7 @@ def test_fused_commit_of_verified_states_matches_the_python_commit(model, ext) -
 def test_fused_logits_for_few_and_many_rows(model, ext) -> None:
     fused = FusedTrunk(model, allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1), ext)
     hidden = torch.randn(200, model.config.hidden_size)
-    with torch.inference_mode():  # 200 rows: more than one of the panel kernel's row blocks
+    with torch.inference_mode():  # 200 rows: more than one of the packed kernel's row blocks
         for rows in ([3], list(range(8)), list(range(20)), list(range(200))):
             torch.testing.assert_close(
                 fused.logits(hidden, rows), model.compute_logits(hidden, rows), atol=1e-5, rtol=1e-5

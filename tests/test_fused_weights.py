@@ -1,6 +1,6 @@
 """How the fused C++ step takes the model's weights (deltaserve/executor/fused_cpu/stack.py, ops/csrc/stack.cpp):
-by name, each checked against the shape the config gives it, read where they are (the model's parameters
-are not rewritten, and no fp32 copy of them is made; the only copies are the bf16 panels)."""
+by name, each checked against the shape the config gives it, read where they are and in their stored format
+(the model's parameters are not rewritten, and no copy of any weight is made)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,24 @@ import torch
 
 from deltaserve.cache.tensors import allocate_cache
 from deltaserve.executor.fused_cpu.stack import DIMS, FusedMTP, FusedTrunk, _layer_weights
+from deltaserve.model.linear import StoredWeights
 from deltaserve.model.loader import load_model
 from deltaserve.ops.fused_ext import load_extension
 from tests.checkpoints import RATIOS_27B, TINY, random_hf_model, random_mtp_tensors, save_official_layout
 
 
-@pytest.fixture(scope="module", params=["fp32", "bf16-values"])
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
 def model(request, tmp_path_factory):
     hf = random_hf_model(RATIOS_27B, seed=7)
     mtp = random_mtp_tensors(RATIOS_27B)
-    if request.param == "bf16-values":  # every weight a bf16 number: panels for every projection
-        with torch.no_grad():
-            for p in hf.parameters():
-                p.copy_(p.bfloat16().float())
-        mtp = {k: v.bfloat16().float() for k, v in mtp.items()}
     path = save_official_layout(hf, tmp_path_factory.mktemp(request.param), mtp)
-    return load_model(path, dtype="float32", with_mtp=True)
+    model = load_model(path, dtype="float32", with_mtp=True)
+    if request.param == "bf16":  # every 2-D weight stored as bf16, as a bf16 checkpoint loads
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, StoredWeights):
+                    module.weight = torch.nn.Parameter(module.weight.detach().bfloat16(), requires_grad=False)
+    return model
 
 
 def small_cache(model):
@@ -46,29 +48,22 @@ def storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def test_the_fused_step_keeps_no_fp32_copy_of_the_weights(model) -> None:
-    """Every matrix the C++ stacks hold in fp32 is a model parameter or a cache tensor itself; what they hold
-    of their own is the bf16 panels and screen (half a weight's bytes) and a few vectors (1 + norm weight)."""
+def test_the_fused_step_keeps_no_copy_of_the_weights(model) -> None:
+    """Every matrix the C++ stacks hold is a model parameter or a cache tensor itself, in its stored dtype;
+    what they hold of their own is a few vectors (1 + norm weight, the screen's row norms)."""
     cache = small_cache(model)
     shared = {storage(p) for p in model.parameters()}
     shared |= {storage(t) for pair in cache.kv.values() for t in pair}
     shared |= {storage(t) for t in [*cache.conv.values(), *cache.ssm.values()]}
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    bf16_values = model.model.layers[0].mlp.down_proj.weight.bfloat16().float().equal(
-        model.model.layers[0].mlp.down_proj.weight)
+    bf16 = model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
     for fused in (FusedTrunk(model, cache), FusedMTP(model, cache)):
-        own = {}
-        for name, t in fused.named_tensors():
-            if storage(t) not in shared:
-                own[storage(t)] = (name, t)
-        copies = [(n, t) for n, t in own.values() if t.dim() >= 2]
-        assert all(t.dtype == torch.bfloat16 for _, t in copies), [n for n, t in copies if t.dtype != torch.bfloat16]
-        assert all(n.endswith(".panels") or ".screen." in n for n, _ in copies)
-        assert bool(copies) == bf16_values  # panels exactly for bf16-valued weights
-        copy_bytes = sum(t.untyped_storage().nbytes() for _, t in copies)
-        vector_bytes = sum(t.untyped_storage().nbytes() for _, t in own.values() if t.dim() < 2)
-        assert copy_bytes <= 0.6 * param_bytes  # bf16: half of fp32 (plus padding, plus the screen)
-        assert vector_bytes <= 0.01 * param_bytes
+        held = fused.named_tensors()
+        own = {storage(t): (name, t) for name, t in held if storage(t) not in shared}
+        assert [n for n, t in own.values() if t.dim() >= 2] == []
+        assert sum(t.untyped_storage().nbytes() for _, t in own.values()) <= 0.01 * param_bytes
+        weights = [t for name, t in held if name.endswith(".weight") and t.dim() == 2 and "conv1d" not in name]
+        assert {t.dtype for t in weights} == {torch.bfloat16 if bf16 else torch.float32}
 
 
 def replace_weight(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
@@ -138,9 +133,17 @@ def test_missing_unexpected_and_misnamed_inputs_are_errors(tiny) -> None:
         build(layers=layers[:2] + [layers[2] | {"mlp.gate_proj.bias": torch.zeros(80)}] + layers[3:])
     with pytest.raises(RuntimeError, match="layer 0 missing tensor ssm_cache"):
         build(layers=[{k: v for k, v in layers[0].items() if k != "ssm_cache"}] + layers[1:])
-    with pytest.raises(RuntimeError, match="layer 3 self_attn.k_proj.weight: expected Float got BFloat16"):
+    with pytest.raises(RuntimeError, match="layer 3 self_attn.k_proj.weight is Half, not a weight format's data"):
         build(layers=layers[:3] + [layers[3] | {"self_attn.k_proj.weight": layers[3]["self_attn.k_proj.weight"]
-                                                .bfloat16()}])
+                                                .half()}])
+    int8 = layers[3]["self_attn.k_proj.weight"].to(torch.int8)
+    with pytest.raises(RuntimeError, match="layer 3 self_attn.k_proj.weight is int8 but "
+                                           "self_attn.k_proj.weight_scale is missing"):
+        build(layers=layers[:3] + [layers[3] | {"self_attn.k_proj.weight": int8}])
+    scale = torch.ones(int8.shape[0], 2, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="layer 3 self_attn.k_proj.weight: int8 needs a group size > 0"):
+        build(layers=layers[:3] + [layers[3] | {"self_attn.k_proj.weight": int8,
+                                                "self_attn.k_proj.weight_scale": scale}])
     with pytest.raises(RuntimeError, match="layer 0 has type mamba"):
         build(types=["mamba"] + types[1:])
     with pytest.raises(RuntimeError, match="layer 3 missing tensor linear_attn"):  # an attention layer as GDN

@@ -1,7 +1,8 @@
-"""FusedTrunk.greedy_tokens screens the vocabulary with bf16 dot products and decides with the fp32 panel
-kernel (deltaserve/ops/csrc/greedy_screen.cpp, screened_greedy). Its tokens must be exactly torch.argmax of
-the logits that FusedTrunk.logits returns, also where the logits are so close that the bf16 screen alone
-would pick wrong."""
+"""FusedTrunk.greedy_tokens screens a bf16 lm_head's vocabulary with bf16 dot products, reading the weight
+row-major where it is, and decides with the fp32 projection kernel (deltaserve/ops/csrc/greedy_screen.cpp,
+screened_greedy); an lm_head in another format runs the exact projection with its argmax fused. Its tokens
+must be exactly torch.argmax of the logits that FusedTrunk.logits returns, also where the logits are so
+close that the bf16 screen alone would pick wrong."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import torch
 
 from deltaserve.cache.tensors import allocate_cache
 from deltaserve.executor.fused_cpu.stack import FusedTrunk
+from deltaserve.model.linear import store
 from deltaserve.model.loader import load_model
+from deltaserve.ops.formats import WeightFormat, dequantize, quantize
 from tests.checkpoints import TINY, random_hf_model, save_causal_lm_layout
 
-VOCAB = 900  # 14 full panels of 64 outputs and a partial one of 4
+VOCAB = 900  # 14 full panels of 64 outputs and a partial one of 4 (the screen's bounds are per panel)
 TIED = [150, 470, 850]  # three equal rows, in panels 2, 7 and 13
 
 
@@ -29,9 +32,6 @@ def cpu_has_avx512_bf16() -> bool:
 @pytest.fixture(scope="module", params=[48, 47], ids=["even-hidden", "odd-hidden"])
 def model(request, tmp_path_factory):
     hf = random_hf_model(dict(TINY, vocab_size=VOCAB, hidden_size=request.param), seed=11)
-    with torch.no_grad():  # a bf16 checkpoint computed in fp32: the lm_head gets panels (and the screen)
-        for p in hf.parameters():
-            p.copy_(p.bfloat16().float())
     return load_model(save_causal_lm_layout(hf, tmp_path_factory.mktemp("screen")), dtype="float32")
 
 
@@ -52,10 +52,15 @@ def near_tie_head(hidden: int, g: torch.Generator) -> tuple[torch.Tensor, torch.
     return head.bfloat16().float(), u
 
 
+def set_head(model, head: torch.Tensor) -> None:
+    """The lm_head stored as bf16 (its values are bf16 numbers), as a bf16 checkpoint loads it."""
+    model.lm_head.weight = torch.nn.Parameter(head.bfloat16(), requires_grad=False)
+
+
 def test_greedy_tokens_are_exact_where_logits_nearly_tie(model) -> None:
     g = torch.Generator().manual_seed(0)
     head, u = near_tie_head(model.config.hidden_size, g)
-    model.lm_head.weight.data.copy_(head)
+    set_head(model, head)
     fused = FusedTrunk(model, allocate_cache(model.config, num_blocks=4, block_size=16, num_slots=1))
     assert fused.greedy_screen == cpu_has_avx512_bf16()
     hidden = 4 * u + 1e-3 * torch.randn(300, u.numel(), generator=g)
@@ -107,10 +112,34 @@ WINNER, RIVAL = 100, 700  # panels 1 and 10
 def test_greedy_tokens_are_exact_when_rounding_the_row_hides_the_winner(model) -> None:
     """The bound is needed at its full width, not only in principle: see hidden_winner_case."""
     h, head = hidden_winner_case(model.config.hidden_size, torch.Generator().manual_seed(1))
-    model.lm_head.weight.data.copy_(head)
+    set_head(model, head)
     fused = FusedTrunk(model, allocate_cache(model.config, num_blocks=4, block_size=16, num_slots=1))
     assert fused.greedy_screen == cpu_has_avx512_bf16()
     rows = torch.stack([h, h])
     with torch.inference_mode():
         assert fused.logits(rows).argmax(dim=-1).tolist() == [WINNER, WINNER]
         assert fused.greedy_tokens(rows).tolist() == [WINNER, WINNER]
+
+
+def test_an_lm_head_in_another_format_has_no_screen_and_exact_tokens(model) -> None:
+    """float32 and int8 lm_heads: no screen; greedy_tokens is the fused projection's argmax, exactly
+    torch.argmax of the logits (near ties included)."""
+    g = torch.Generator().manual_seed(2)
+    head, u = near_tie_head(model.config.hidden_size, g)
+    hidden = 4 * u + 1e-3 * torch.randn(40, u.numel(), generator=g)
+    int8 = WeightFormat.of("int8")
+    data, scale = quantize(head, int8)
+    for weight, weight_scale, fmt in ((head, None, None), (data, scale, int8)):
+        store(model.lm_head, fmt or WeightFormat("float32"))
+        model.lm_head.weight.data.copy_(weight)
+        if weight_scale is not None:
+            model.lm_head.weight_scale.data.copy_(weight_scale)
+        fused = FusedTrunk(model, allocate_cache(model.config, num_blocks=4, block_size=16, num_slots=1))
+        assert not fused.greedy_screen
+        with torch.inference_mode():
+            logits = fused.logits(hidden)
+            torch.testing.assert_close(logits, hidden @ dequantize(data, scale, int8, head.shape[1]).T
+                                       if fmt else hidden @ head.T, atol=1e-4, rtol=1e-4)
+            for rows in (list(range(40)), [3], [3, 5]):
+                assert torch.equal(fused.greedy_tokens(hidden, rows), fused.logits(hidden, rows).argmax(dim=-1))
+    store(model.lm_head, WeightFormat("float32"))  # the module's other tests set their own float weights

@@ -1,6 +1,6 @@
 """Each kernel of the fused C++ step (deltaserve/ops/csrc) alone against its reference in deltaserve/ops or
-deltaserve/model, on random inputs: the projections (fp32 row blocks and bf16 panels), RMSNorm and gated
-RMSNorm, RoPE, the GDN conv + recurrence (prompt, decode and verify tokens, from zero and from a given
+deltaserve/model, on random inputs: the projections (every weight format against formats.dequantize), RMSNorm
+and gated RMSNorm, RoPE, the GDN conv + recurrence (prompt, decode and verify tokens, from zero and from a given
 state) and the paged attention loop (decode and prompt chunks, GQA groups, partial last blocks)."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deltaserve.executor.fused_cpu.stack import _linear
 from deltaserve.model.gdn import l2norm
 from deltaserve.model.layers import GatedRMSNorm, RMSNorm, RotaryEmbedding
 from deltaserve.ops.attention import decode_attention, prefill_attention, quantize_fp8
 from deltaserve.ops.conv import causal_conv1d_reference
 from deltaserve.ops.delta_rule import delta_rule_reference
+from deltaserve.ops.formats import WeightFormat, dequantize, quantize
 from deltaserve.ops.fused_ext import load_extension
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 rounding: the kernels sum in other orders than torch
@@ -29,52 +29,99 @@ def ext(request):
     return load_extension(portable=request.param == "portable")
 
 
-# ---- projections ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 97, 200])
-def test_panel_projection_matches_torch_linear(ext, rows: int) -> None:
-    """The bf16 panel kernel alone against F.linear: row tails of 1-5, row blocks of 96, output counts that
-    are not multiples of 64 (a partial last panel), odd K."""
+# ---- projections ----------------------------------------------------------------------------------------
+# Every format at its default group and at groups that are not multiples of 16 (scales lane by lane) or that
+# leave a partial last group; K odd (int4's padded nibble), N not a multiple of the 64-output panel.
+FORMATS = [WeightFormat.of("float32"), WeightFormat.of("bfloat16"), WeightFormat.of("fp8"),
+           WeightFormat.of("fp8", 48), WeightFormat.of("int8"), WeightFormat.of("int8", 10), WeightFormat.of("int4"),
+           WeightFormat.of("int4", 6)]
+SHAPES = [(70, 33), (130, 200), (5, 1), (64, 1100)]  # (N, K): K blocks of kKBlock, a partial last one
+
+
+def fmt_id(fmt: WeightFormat) -> str:
+    return f"{fmt.name}-{fmt.group}" if fmt.quantized else fmt.name
+
+
+def spec(weight: torch.Tensor, fmt: WeightFormat) -> tuple:
+    """A part as the extension takes it, quantized from weight."""
+    data, scale = quantize(weight, fmt)
+    return data, scale, fmt.name, fmt.group
+
+
+def reference(x: torch.Tensor, parts: list[tuple], k: int) -> torch.Tensor:
+    """x @ cat(dequantize(part))^T, in float64: the kernels may differ only by fp32 summation rounding."""
+    w = torch.cat([dequantize(d, s, WeightFormat.of(name, group or None), k) for d, s, name, group in parts])
+    return x.double() @ w.double().T
+
+
+def assert_close_to(got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, parts: list[tuple], k: int) -> None:
+    """Within K ulps of sum |x w| (fp32 summation in any order), and no looser."""
+    w = torch.cat([dequantize(d, s, WeightFormat.of(name, group or None), k) for d, s, name, group in parts])
+    bound = k * 2.0**-23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    assert ((got.double() - expected).abs() <= bound).all(), (got.double() - expected).abs().max()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 12, 13, 100])
+def test_projection_of_each_format_matches_dequantize_then_matmul(ext, fmt: WeightFormat, rows: int) -> None:
+    """The kernels read the stored bytes: 1..12 rows the dot-product kernel, 13 and 100 (a partial 6-row tile)
+    the packed one. Each equals formats.dequantize(...) @ x^T but for the order of its fp32 sums."""
     g = torch.Generator().manual_seed(rows)
-    for n_out, k_in in [(64, 16), (70, 33), (130, 192)]:
-        weight = torch.randn(n_out, k_in, generator=g).bfloat16().float()
+    for n_out, k_in in SHAPES:
+        parts = [spec(torch.randn(n_out, k_in, generator=g), fmt)]
         x = torch.randn(rows, k_in, generator=g)
-        _, panels = _linear([weight])
-        assert panels.numel() > 0  # bf16-valued weights get panels
-        got = ext.linear_panels(x, panels, n_out)
-        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
+        got = ext.linear(x, parts)
+        assert got.shape == (rows, n_out) and got.dtype == torch.float32
+        assert_close_to(got, reference(x, parts, k_in), x, parts, k_in)
+        # each row's sums do not depend on the other rows (the greedy screen recomputes panels row by row):
+        # the same kernel on fewer rows gives the same numbers
+        fewer = 1 if rows <= 12 else 13
+        assert torch.equal(ext.linear(x[:fewer].contiguous(), parts), got[:fewer])
 
 
-def test_panel_projection_with_an_output_written_around_the_caches(ext) -> None:
-    """An output over 4 MB (a long prompt chunk's) is written with non-temporal stores: the same numbers as
-    the same rows projected a few at a time, and a partial last panel still lands in place."""
-    g = torch.Generator().manual_seed(0)
-    n_out, k_in = 528, 64  # 8 full panels and one of 16 outputs; 2048 x 528 floats is 4.3 MB
-    weight = torch.randn(n_out, k_in, generator=g).bfloat16().float()
-    x = torch.randn(2048, k_in, generator=g)
-    _, panels = _linear([weight])
-    got = ext.linear_panels(x, panels, n_out)
-    assert torch.equal(got, torch.cat([ext.linear_panels(rows, panels, n_out) for rows in x.split(96)]))
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("bf16_values", [False, True], ids=["fp32", "bf16-values"])
 @pytest.mark.parametrize("rows", [1, 7, 100])
-def test_a_projection_of_row_blocks_is_the_linear_of_their_concatenation(ext, rows: int, bf16_values: bool) -> None:
-    """The stack's projections take the model's weights as row blocks (gate | up, q | k | v, ...): one GEMM
-    per block into its columns, or the panels of all of them."""
+def test_a_projection_of_parts_in_different_formats_is_the_linear_of_their_concatenation(ext, rows: int) -> None:
+    """A fused group's parts may differ in format (int8 q|k|v|z with float32 b|a, as the loader leaves them):
+    output columns in part order, parts that end inside a 64-output panel and inside a group of 4."""
     g = torch.Generator().manual_seed(rows)
-    parts = [torch.randn(n, 40, generator=g) for n in (48, 24, 3)]
-    if bf16_values:
-        parts = [p.bfloat16().float() for p in parts]
-    x = torch.randn(rows, 40, generator=g)
-    expected = F.linear(x, torch.cat(parts))
-    blocks, panels = _linear(parts)
-    assert all(b.data_ptr() == p.data_ptr() for b, p in zip(blocks, parts))  # the weights themselves
-    assert (panels.numel() > 0) == bf16_values
-    torch.testing.assert_close(ext.linear(x, parts, None), expected, **TOL)
-    torch.testing.assert_close(ext.linear(x, parts[:1], None), F.linear(x, parts[0]), **TOL)
-    if bf16_values:
-        torch.testing.assert_close(ext.linear(x, parts, panels), expected, **TOL)
+    k_in = 40
+    formats = [WeightFormat.of("int8"), WeightFormat.of("bfloat16"), WeightFormat.of("int4"), WeightFormat.of("fp8"),
+               WeightFormat.of("float32")]
+    parts = [spec(torch.randn(n, k_in, generator=g), fmt) for n, fmt in zip((48, 21, 3, 66, 2), formats)]
+    x = torch.randn(rows, k_in, generator=g)
+    got = ext.linear(x, parts)
+    assert_close_to(got, reference(x, parts, k_in), x, parts, k_in)
+    assert torch.equal(ext.linear(x, parts[:1]), got[:, :48])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+@pytest.mark.parametrize("rows", [1, 6, 40])
+def test_projection_argmax_is_torch_argmax_of_its_outputs(ext, fmt: WeightFormat, rows: int) -> None:
+    """linear_argmax keeps no outputs; it is torch.argmax of linear's, ties (the first wins) and NaN included."""
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(300, 50, generator=g)
+    weight[250] = weight[10]  # a tie across panels: column 10 wins
+    parts = [spec(weight, fmt)]
+    x = torch.randn(rows, 50, generator=g)
+    x[0] = weight[10]  # rows where 10 and 250 hold the maximum
+    if rows > 1:
+        x[1, 3] = float("nan")  # a NaN row: argmax is its first NaN, column 0
+    assert torch.equal(ext.linear_argmax(x, parts), ext.linear(x, parts).argmax(dim=1))
+
+
+def test_projection_errors_name_the_problem(ext) -> None:
+    x = torch.randn(2, 40)
+    data, scale = quantize(torch.randn(8, 40), WeightFormat.of("int8"))
+    with pytest.raises(RuntimeError, match="int8 weights need their scale"):
+        ext.linear(x, [(data, None, "int8", 32)])
+    with pytest.raises(RuntimeError, match=r"contiguous scale \[8, 4\] expected \(group 12\)"):
+        ext.linear(x, [(data, scale, "int8", 12)])
+    with pytest.raises(RuntimeError, match="int8 data is Char, got Float"):
+        ext.linear(x, [(data.float(), scale, "int8", 32)])
+    with pytest.raises(RuntimeError, match="weight format 'int3' is not known"):
+        ext.linear(x, [(data, scale, "int3", 32)])
+    with pytest.raises(RuntimeError, match="has 40 columns, got 20"):
+        ext.linear(x, [(data[:, :20].contiguous(), scale, "int8", 32)])
 
 
 # ---- norms and rotary ----------------------------------------------------------------------------------
@@ -259,35 +306,38 @@ def test_fp8_rows_quantize_as_the_reference(ext) -> None:
 
 # ---- sparse MoE ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rows", [1, 5, 40])
-@pytest.mark.parametrize("values", ["fp32", "bf16-values", "zero-router"])
+@pytest.mark.parametrize("values", ["fp32", "bf16", "int4", "zero-router"])
 @pytest.mark.parametrize("family, fields", [("qwen3_5_moe", {}), ("qwen3_next", {"norm_topk_prob": False})])
 def test_moe_mlp_matches_the_python_block(ext, family: str, fields: dict, values: str, rows: int) -> None:
-    """The MoE MLP alone against deltaserve/model/moe.py's SparseMoeBlock: MKL or per-expert panel projections,
-    renormalised or not, and a zero router (every expert ties: torch.topk's choice, not the lowest ids)."""
+    """The MoE MLP alone against deltaserve/model/moe.py's SparseMoeBlock: the experts as row blocks of their
+    3-D tensors in a stored format (the block computes with the same values dequantized; the router stays
+    fp32 as the loader leaves it), renormalised or not, and a zero router (every expert ties: torch.topk's
+    choice, not the lowest ids)."""
     from deltaserve.config import ModelConfig
-    from deltaserve.executor.fused_cpu.stack import _add_sparse_mlp
     from deltaserve.model.moe import SparseMoeBlock
     from tests.checkpoints import TINY, hf_moe_config
 
     cfg = ModelConfig.from_dict({**hf_moe_config(family, TINY, **fields).to_dict(), "architectures": None})
     torch.manual_seed(rows)
     block = SparseMoeBlock(cfg)
+    fmt = WeightFormat.of({"bf16": "bfloat16", "int4": "int4"}.get(values, "float32"))
+    stored: dict[str, tuple] = {}
     with torch.no_grad():
         for p in block.parameters():
             torch.nn.init.normal_(p, std=0.3)
-            if values == "bf16-values":
-                p.copy_(p.bfloat16().float())
         if values == "zero-router":
             block.gate.weight.zero_()
-    w: dict[str, torch.Tensor] = {}
-    _add_sparse_mlp(w, block)
-    panels = [w[name] for name in ("mlp.router_shared.panels", "mlp.shared_expert.down_proj.panels",
-                                   "mlp.experts.gate_up_proj.panels", "mlp.experts.down_proj.panels") if name in w]
-    assert len(panels) == (4 if values == "bf16-values" else 0)
+        for name, p in block.named_parameters():
+            if name == "gate.weight":
+                stored[name] = (p.detach(), None, "float32", 0)
+                continue
+            data, scale = quantize(p, fmt)
+            p.copy_(dequantize(data, scale, fmt, p.shape[-1]))  # the values the kernel reads
+            stored[name] = (data, scale, fmt.name, fmt.group)
     x = torch.randn(rows, cfg.hidden_size)
-    got = ext.moe_mlp(x, [w["mlp.gate.weight"], w["mlp.shared_expert.gate_proj.weight"],
-                          w["mlp.shared_expert.up_proj.weight"], w["mlp.shared_expert_gate.weight"]],
-                      w["mlp.shared_expert.down_proj.weight"], w["mlp.experts.gate_up_proj"],
-                      w["mlp.experts.down_proj"], panels, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    got = ext.moe_mlp(x, [stored[n] for n in ("gate.weight", "shared_expert.gate_proj.weight",
+                                              "shared_expert.up_proj.weight", "shared_expert_gate.weight")],
+                      stored["shared_expert.down_proj.weight"], stored["experts.gate_up_proj"],
+                      stored["experts.down_proj"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     with torch.no_grad():
         torch.testing.assert_close(got, block(x), atol=1e-5, rtol=1e-5)

@@ -1,8 +1,8 @@
 """The fused C++ step's sparse-MoE MLP (deltaserve/ops/csrc/moe.cpp) against the Python model (the torch
 executor's forward) on small random MoE checkpoints of both families and both expert layouts: hidden states,
-logits and caches over prompt chunks, decodes and verify segments, with fp32 weights (MKL) and bf16-valued
-ones (per-expert panels), in the native and the portable build; routing ties, an expert no token picks,
-mlp_only_layers and decoder_sparse_step; the MoE MTP head; the planner's count of the experts' panels."""
+logits and caches over prompt chunks, decodes and verify segments, with fp32 weights (some bf16-valued), in the
+native and the portable build; routing ties, an expert no token picks, mlp_only_layers and
+decoder_sparse_step; the MoE MTP head; experts stored as bf16, read where they are (no copies)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from deltaserve.executor.fused_cpu.stack import FusedMTP, FusedTrunk
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.loader import load_model
 from deltaserve.model.moe import SparseMoeBlock
-from deltaserve.model.parallel import Shard
 from deltaserve.ops.fused_ext import load_extension
 from tests.checkpoints import MOE, RATIOS_27B, TINY, random_hf_moe_model, random_mtp_tensors
 from tests.test_fused_step import BLOCK, assert_caches_equal, assert_mtp_passes_match, context, junk_cache
@@ -36,7 +35,7 @@ STEPS = [
 
 
 def bf16_values(hf) -> None:
-    """A bf16 checkpoint computed in fp32: every weight a bf16 number (the panel projections)."""
+    """A bf16 checkpoint computed in fp32: every weight a bf16 number."""
     with torch.no_grad():
         for p in hf.parameters():
             p.copy_(p.bfloat16().float())
@@ -138,33 +137,34 @@ def test_fused_mtp_of_a_moe_checkpoint_matches_the_python_head(family, layout, v
     assert_mtp_passes_match(model)
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["one-rank", "tp2-rank0"])
 @pytest.mark.parametrize("family, fields", [("qwen3_5_moe", {}), ("qwen3_next", {"mlp_only_layers": [1]})])
-def test_planner_counts_the_experts_panels(family, fields, tp, tmp_path) -> None:
-    """fp32 compute of a bf16 MoE checkpoint: fused_copy_bytes is what the fused trunk and MTP head really
-    hold in panels (every expert's included), plus the lm_head's copy for the greedy screen; under tensor
-    parallelism, those of rank 0's shard (its half of every expert; built without a process group), and the
-    weights are rank 0's parameters."""
+def test_the_fused_moe_step_holds_no_weight_copies(family, fields, tmp_path) -> None:
+    """A bf16 MoE checkpoint with its experts stored as bf16: the fused trunk and MTP head read the experts'
+    3-D tensors themselves (no per-expert copies), and the planner counts nothing beside the weights."""
     hf = random_hf_moe_model(family, TINY, seed=3, **fields).to(torch.bfloat16)
     mtp = {k: v.bfloat16() for k, v in random_mtp_tensors(TINY, moe=MOE).items()}
     path = save(hf, tmp_path, "official" if family == "qwen3_5_moe" else "causal", fused=True, mtp=mtp)
-    plan = plan_memory(ModelConfig.from_file(path), 64, 1, dtype="float32", with_mtp=True, tp=tp)
-    model = load_model(path, dtype="float32", with_mtp=True, shard=Shard(0, tp))
-    if tp > 1:  # (with one rank the planner counts the vocabulary padded to 64 rows, as vLLM allocates it)
-        assert plan.weight_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
-    cache = allocate_cache(model.rank_config, num_blocks=4, block_size=BLOCK, num_slots=1, with_mtp=True)
+    plan = plan_memory(ModelConfig.from_file(path), 64, 1, dtype="float32", with_mtp=True)
+    assert plan.total_bytes == plan.weight_bytes + plan.cache_bytes
+    model = load_model(path, dtype="float32", with_mtp=True)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, SparseMoeBlock):
+                for name in ("gate_up_proj", "down_proj"):
+                    tensor = getattr(module.experts, name)
+                    setattr(module.experts, name, torch.nn.Parameter(tensor.detach().bfloat16(), requires_grad=False))
+    cache = allocate_cache(model.config, num_blocks=4, block_size=BLOCK, num_slots=1, with_mtp=True)
     held = FusedTrunk(model, cache).named_tensors() + FusedMTP(model, cache).named_tensors()
-    panels = [t for name, t in held if name.endswith(".panels")]
-    assert any(name.endswith("mlp.experts.down_proj.panels") for name, _ in held)
-    V, H = model.lm_head.weight.shape  # the rank's rows of the padded vocabulary under tensor parallelism
-    screen = -(-V // 64) * 64 * 2 * -(-H // 2) * 2  # the lm_head in pairs, bf16
-    assert plan.fused_copy_bytes == sum(t.numel() * t.element_size() for t in panels) + screen
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    experts = [(name, t) for name, t in held if ".experts." in name]
+    assert experts and all(t.dtype == torch.bfloat16 and t.dim() == 3 for _, t in experts)
+    assert all(t.untyped_storage().data_ptr() in params for _, t in experts)
 
 
 def test_threads_split_the_experts_without_changing_the_sums(tmp_path) -> None:
     """Experts wide enough that a decode step's experts go to separate threads (moe.cpp), and a prompt of more
-    than kExpertParallelRows rows whose experts split their panels instead: the same hidden states with 1 and
-    2 threads (each expert's rows by one thread, added in expert order; bf16 values, the panel kernel)."""
+    than kExpertParallelRows rows whose experts split their outputs instead: the same hidden states with 1 and
+    2 threads (each expert's rows by one thread, added in expert order; bf16 values)."""
     hf = random_hf_moe_model("qwen3_5_moe", dict(TINY, hidden_size=256), seed=4,
                              moe_intermediate_size=1024)
     bf16_values(hf)

@@ -6,7 +6,6 @@ disagree; per-rank head counts are deltaserve/model/sharding.py's; `deltaserve p
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -23,9 +22,8 @@ from deltaserve.cache.sizing import (
     num_kv_cache_layers,
 )
 from deltaserve.config import ModelConfig
-from deltaserve.executor import fused_copy_bytes
 from deltaserve.model.linear import Linear, quantizable
-from deltaserve.model.sharding import RankShape, rank_config, rank_shape
+from deltaserve.model.sharding import RankShape, rank_shape
 from deltaserve.ops.formats import WeightFormat
 
 # Modules an FP8 block-quantized checkpoint keeps in high precision when its config does not list them:
@@ -334,7 +332,6 @@ class MemoryPlan:
     mtp_params: int = 0
     vision_params: int = 0
     quantization: str = ""  # --quantization's format of the projections ("": the checkpoint's)
-    fused_copy_bytes: int = 0  # fp32 compute of a bf16 checkpoint on a CPU: fused_copy_bytes()
     total_bytes: int = 0
     model_name: str = ""
 
@@ -414,10 +411,6 @@ def plan_memory(
         vision_params=by_name["vision tower"].total_params if "vision tower" in by_name else 0,
         model_name=model_name,
     )
-    # Under tensor parallelism each rank's fused step copies its shard: its heads, its MLP and expert widths,
-    # its vocabulary rows.
-    if wdtype == "float32" and normalize_dtype(cfg.torch_dtype) == "bfloat16":
-        rank_cfg = cfg if tp == 1 else dataclasses.replace(rank_config(cfg, tp), vocab_size=r.vocab)
-        plan.fused_copy_bytes = fused_copy_bytes(rank_cfg, with_mtp)
-    plan.total_bytes = plan.weight_bytes + plan.fused_copy_bytes + plan.cache_bytes
+    # The fused CPU step reads the weights as loaded: no copies to count.
+    plan.total_bytes = plan.weight_bytes + plan.cache_bytes
     return plan

@@ -4,10 +4,9 @@
 
 from deltaserve.executor.base import Executor
 from deltaserve.executor.factory import make_executor
-from deltaserve.executor.fused_cpu.memory import fused_copy_bytes
 from deltaserve.executor.tensor_parallel import TensorParallelError, start_tensor_parallel
 from deltaserve.executor.torch_executor import TorchExecutor
 
 __all__ = [
-    "Executor", "TensorParallelError", "TorchExecutor", "fused_copy_bytes", "make_executor", "start_tensor_parallel",
+    "Executor", "TensorParallelError", "TorchExecutor", "make_executor", "start_tensor_parallel",
 ]

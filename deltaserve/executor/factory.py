@@ -33,8 +33,8 @@ def make_executor(
         return TorchExecutor(model, cache)
     reason = supported(model, cache)
     if reason is not None:
-        log.info("executor%s: torch, since %s (the fused step needs float32 weights and GDN states, and a float32 "
-                 "or fp8 KV cache)", rank, reason)
+        log.info("executor%s: torch, since %s (the fused step takes weights in any stored format, float32 "
+                 "activations and GDN states, and a float32 or fp8 KV cache)", rank, reason)
         return TorchExecutor(model, cache)
     try:
         executor = FusedCPUExecutor(model, cache, with_mtp=with_mtp)

@@ -4,16 +4,15 @@ Python model (deltaserve/model) is the reference; this removes the per-op overhe
 model's step on a CPU, and runs the GDN recurrence token by token in C++ (cheaper than the chunked form at
 these head sizes).
 
-Used for fp32 weights and caches, or an fp8 KV cache beside fp32 state caches (make_executor checks
-supported()). The C++ stack takes each layer's tensors
-by name (_layer_weights) and checks their shapes; it reads the model's own weights where they are and
-rewrites none of them. Projections that read the same input (GDN q|k|v|z|b|a, attention q|k|v, MLP gate|up)
-run as one: their weights go across as the row blocks of one projection (a sparse-MoE MLP's router, shared
-expert gate|up and shared_expert_gate too; its experts go across as the model's 3-D tensors, expert e's
-weight being row block e). Weights whose values are all bfloat16 numbers also get a bf16 copy in panels,
-one per such projection and per expert (half a weight's fp32 bytes, +50% weight memory), that every
-projection streams instead of the fp32 weight. On CPUs with AVX512-BF16 such an
-lm_head keeps one more bf16 copy, in pairs along K, for greedy_tokens' screen.
+Used for weights in any format of deltaserve/ops/formats.py, fp32 state caches and an fp32 or fp8 KV cache
+(make_executor checks supported()). The C++ stack takes each layer's tensors by name (_layer_weights) and
+checks their shapes; it reads the model's own weights where they are, in their stored format (a projection's
+`.weight` data and, quantized, its `.weight_scale`), and rewrites or copies none of them: the fused step adds
+no weight bytes. Projections that read the same input (GDN q|k|v|z|b|a, attention q|k|v, MLP gate|up) run as
+one: their weights go across as the row blocks of one projection, each in its own format (a sparse-MoE
+MLP's router, shared expert gate|up and shared_expert_gate too; its experts go across as the model's 3-D
+tensors, expert e's weight being row block e). The quantized formats' group sizes go across in the dims
+(fp8_group, ...).
 
 Under tensor parallelism a rank's stack is built from its shard: the rank's dims (rank_config; its rows of
 the padded vocabulary) and an all-reduce hook (the model's Shard) that the C++ calls with each row-parallel
@@ -29,64 +28,71 @@ import torch
 from deltaserve.model.context import CacheTensors, ForwardContext
 from deltaserve.model.moe import SparseMoeBlock
 from deltaserve.ops.attention import FP8
+from deltaserve.ops.formats import QUANTIZATIONS, WeightFormat
 from deltaserve.ops.fused_ext import load_extension
 
 __all__ = ["FusedMTP", "FusedTrunk", "supported"]
 
 
-PANEL = 64  # outputs per bf16 panel (kPanel in the C++)
+def weight_format(module: torch.nn.Module) -> WeightFormat:
+    """The format of a projection's (or the experts') stored weight: its `.fmt` (deltaserve/model/linear.py),
+    else the one its dtype names (an nn.Linear of float32 or bfloat16 weights)."""
+    fmt = getattr(module, "fmt", None)
+    if fmt is not None:
+        return fmt
+    weight = module.weight if hasattr(module, "weight") else module.gate_up_proj
+    names = {WeightFormat.of(name).data_dtype: name for name in ("float32", "bfloat16")}
+    if weight.dtype not in names:
+        raise ValueError(f"a {weight.dtype} weight without a .fmt: its format is not known")
+    return WeightFormat.of(names[weight.dtype])
 
 
-def _linear(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """A projection for the C++ step from its row blocks, weights [N_i, K] in output order: the blocks
-    themselves (the model's tensors, not copied) and, when all their values are bfloat16 numbers (a bf16
-    checkpoint computed in fp32), the same values as bf16 panels [ceil(N/64), K, 64] of all N rows, which
-    the C++ projections stream instead (half the bytes, identical products); else an empty tensor.
+class _Weights(dict):
+    """Tensors by the names FusedStack's constructor reads, and the group size of each quantized format they
+    hold (one per format in a stack: the C++ takes them as dims)."""
 
-    Within a panel's row k the 64 outputs are interleaved in two halves of 32: output 32h + i sits at
-    word 32h + 2i, and output 32h + 16 + i at word 32h + 2i + 1. Read as 32-bit lanes, the low words are
-    16 consecutive outputs and the high words the next 16, so the kernel turns 32 weights into fp32 with
-    one shift and one mask (kPanel in the C++)."""
-    parts = [p.detach().float() for p in parts]  # until the kernels read stored formats: bf16 widened
-    as_bf16 = [p.to(torch.bfloat16) for p in parts]
-    if not all(torch.equal(b.float(), p) for b, p in zip(as_bf16, parts)):
-        return parts, torch.empty(0)
-    N, K = sum(p.shape[0] for p in parts), parts[0].shape[1]
-    P = -(-N // PANEL)
-    padded = torch.cat([*as_bf16, as_bf16[0].new_zeros(P * PANEL - N, K)])
-    # [panel, half, low/high word, i, K] -> [panel, K, half, i, low/high word]
-    interleaved = padded.view(P, 2, 2, PANEL // 4, K).permute(0, 4, 1, 3, 2)
-    return parts, interleaved.reshape(P, K, PANEL).contiguous()
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups: dict[str, int] = {}
 
+    def add_format(self, fmt: WeightFormat, what: str) -> None:
+        if not fmt.quantized:
+            return
+        if self.groups.setdefault(fmt.name, fmt.group) != fmt.group:
+            raise ValueError(f"the fused step takes one group size per format: {what} is {fmt.name} with group "
+                             f"{fmt.group}, another weight has group {self.groups[fmt.name]}")
 
-def _add_projection(weights: dict[str, torch.Tensor], panels_name: str, parts: dict[str, torch.Tensor]) -> None:
-    """weights[name] = each row block of one projection, and weights[panels_name] = its panels if it has any."""
-    blocks, panels = _linear(list(parts.values()))
-    weights.update(zip(parts, blocks))
-    if panels.numel() > 0:
-        weights[panels_name] = panels
+    def add_projection(self, parts: dict[str, torch.nn.Module]) -> None:
+        """Each part's stored weight as `name` (= "P.weight") and its scales as `name`_scale: the model's
+        tensors themselves, in their formats."""
+        for name, module in parts.items():
+            fmt = weight_format(module)
+            self.add_format(fmt, name)
+            self[name] = module.weight.detach()
+            scale = getattr(module, "weight_scale", None)
+            if scale is not None:
+                self[name + "_scale"] = scale.detach()
 
+    def add_experts(self, experts: torch.nn.Module, prefix: str) -> None:
+        """The experts' 3-D tensors [E, N, K'] (expert e's weight is row block e) and their scales."""
+        fmt = weight_format(experts)
+        for name in ("gate_up_proj", "down_proj"):
+            self.add_format(fmt, f"{prefix}.{name}")
+            self[f"{prefix}.{name}"] = getattr(experts, name).detach()
+            scale = getattr(experts, f"{name}_scale", None)
+            if scale is not None:
+                self[f"{prefix}.{name}_scale"] = scale.detach()
 
-def _add_experts(weights: dict[str, torch.Tensor], name: str, experts: torch.Tensor) -> None:
-    """weights[name] = the model's 3-D expert tensor [E, N, K] itself (expert e's weight is its row block e),
-    and weights[name + ".panels"] = [E, ceil(N/64), K, 64], every expert's bf16 panels, when all its values
-    are bfloat16 numbers. One expert at a time: no fp32 temporary of all the experts."""
-    experts = experts.detach().float()
-    panels = []
-    for e in range(experts.shape[0]):
-        panels.append(_linear([experts[e]])[1])
-        if panels[-1].numel() == 0:
-            break
-    weights[name] = experts
-    if panels[-1].numel() > 0:
-        weights[name + ".panels"] = torch.stack(panels)
+    def merge(self, other: _Weights) -> None:
+        for name, group in other.groups.items():
+            self.add_format(WeightFormat(name, group), name)
 
 
 def supported(model: torch.nn.Module, cache: CacheTensors) -> str | None:
     """None if the fused step can run this model and cache, else the reason it cannot."""
-    stored = {p.dtype for p in model.parameters()}
-    if not stored <= {torch.float32, torch.bfloat16}:
-        return f"weights are stored as {', '.join(sorted(str(d).removeprefix('torch.') for d in stored))}"
+    stored = {torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8, torch.uint8}
+    if any(t.dtype not in stored for t in [*model.parameters(), *model.buffers()] if t.dim() >= 2):
+        return "weights are not in a format of deltaserve/ops/formats.py"
     if model.model.norm.weight.dtype != torch.float32:
         return "activations are not float32"
     kv = [t for pair in cache.kv.values() for t in pair]
@@ -102,63 +108,73 @@ def _one_plus(norm: torch.nn.Module) -> torch.Tensor:
     return (1.0 + norm.weight.detach().float()).contiguous()
 
 
-def _add_sparse_mlp(w: dict[str, torch.Tensor], mlp: SparseMoeBlock) -> None:
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """A small parameter (conv, dt_bias, a norm's weight) as the C++ reads it: float32, itself when it is."""
+    return t.detach().float().contiguous()
+
+
+def _add_sparse_mlp(w: _Weights, mlp: SparseMoeBlock) -> None:
     """A sparse-MoE MLP's tensors (deltaserve/ops/csrc/moe.h): the router, the shared expert's gate and up and
     the shared expert's gate as one projection (they all read the layer's normed input), the shared expert's
-    down, and the experts' 3-D tensors with their panels per expert."""
+    down, and the experts' 3-D tensors."""
     shared = mlp.shared_expert
-    _add_projection(w, "mlp.router_shared.panels", {
-        "mlp.gate.weight": mlp.gate.weight, "mlp.shared_expert.gate_proj.weight": shared.gate_proj.weight,
-        "mlp.shared_expert.up_proj.weight": shared.up_proj.weight,
-        "mlp.shared_expert_gate.weight": mlp.shared_expert_gate.weight,
+    w.add_projection({
+        "mlp.gate.weight": mlp.gate, "mlp.shared_expert.gate_proj.weight": shared.gate_proj,
+        "mlp.shared_expert.up_proj.weight": shared.up_proj, "mlp.shared_expert_gate.weight": mlp.shared_expert_gate,
     })
-    _add_projection(w, "mlp.shared_expert.down_proj.panels",
-                    {"mlp.shared_expert.down_proj.weight": shared.down_proj.weight})
-    _add_experts(w, "mlp.experts.gate_up_proj", mlp.experts.gate_up_proj)
-    _add_experts(w, "mlp.experts.down_proj", mlp.experts.down_proj)
+    w.add_projection({"mlp.shared_expert.down_proj.weight": shared.down_proj})
+    w.add_experts(mlp.experts, "mlp.experts")
 
 
-def _layer_weights(layer: torch.nn.Module, cache: CacheTensors) -> dict[str, torch.Tensor]:
+def _layer_weights(layer: torch.nn.Module, cache: CacheTensors) -> _Weights:
     """One decoder layer's tensors by the names FusedStack's constructor reads (the modules' own names)."""
     mlp = layer.mlp
-    w = {
-        "input_layernorm.scale": _one_plus(layer.input_layernorm),
-        "post_attention_layernorm.scale": _one_plus(layer.post_attention_layernorm),
-    }
+    w = _Weights()
+    w["input_layernorm.scale"] = _one_plus(layer.input_layernorm)
+    w["post_attention_layernorm.scale"] = _one_plus(layer.post_attention_layernorm)
     if isinstance(mlp, SparseMoeBlock):
         _add_sparse_mlp(w, mlp)
     else:
-        _add_projection(w, "mlp.gate_up_proj.panels",
-                        {"mlp.gate_proj.weight": mlp.gate_proj.weight, "mlp.up_proj.weight": mlp.up_proj.weight})
-        _add_projection(w, "mlp.down_proj.panels", {"mlp.down_proj.weight": mlp.down_proj.weight})
+        w.add_projection({"mlp.gate_proj.weight": mlp.gate_proj, "mlp.up_proj.weight": mlp.up_proj})
+        w.add_projection({"mlp.down_proj.weight": mlp.down_proj})
     if layer.layer_type == "linear_attention":
         g = layer.linear_attn
-        _add_projection(w, "linear_attn.in_proj.panels", {
-            f"linear_attn.{name}.weight": getattr(g, name).weight
-            for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-        })
-        _add_projection(w, "linear_attn.out_proj.panels", {"linear_attn.out_proj.weight": g.out_proj.weight})
-        w |= {
-            "linear_attn.conv1d.weight": g.conv1d.weight.detach()[:, 0, :],  # [C, 1, K] -> [C, K], a view
+        w.add_projection({f"linear_attn.{name}.weight": getattr(g, name)
+                          for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")})
+        w.add_projection({"linear_attn.out_proj.weight": g.out_proj})
+        w.update({
+            "linear_attn.conv1d.weight": _fp32(g.conv1d.weight[:, 0, :]),  # [C, 1, K] -> [C, K], a view
             "linear_attn.neg_a": (-g.A_log.detach().float().exp()).contiguous(),
-            "linear_attn.dt_bias": g.dt_bias.detach(),
-            "linear_attn.norm.weight": g.norm.weight.detach(),
+            "linear_attn.dt_bias": _fp32(g.dt_bias),
+            "linear_attn.norm.weight": _fp32(g.norm.weight),
             "conv_cache": cache.conv[layer.layer_id], "ssm_cache": cache.ssm[layer.layer_id],
-        }
+        })
         return w
     a = layer.self_attn
-    _add_projection(w, "self_attn.qkv_proj.panels", {
-        f"self_attn.{name}.weight": getattr(a, name).weight for name in ("q_proj", "k_proj", "v_proj")
-    })
-    _add_projection(w, "self_attn.o_proj.panels", {"self_attn.o_proj.weight": a.o_proj.weight})
+    w.add_projection({f"self_attn.{name}.weight": getattr(a, name) for name in ("q_proj", "k_proj", "v_proj")})
+    w.add_projection({"self_attn.o_proj.weight": a.o_proj})
     k_cache, v_cache = cache.kv[layer.layer_id]
-    w |= {
+    w.update({
         "self_attn.q_norm.scale": _one_plus(a.q_norm), "self_attn.k_norm.scale": _one_plus(a.k_norm),
         "k_cache": k_cache, "v_cache": v_cache,
-    }
+    })
     if layer.layer_id in cache.kv_scales:  # an fp8 cache's row scales (deltaserve/ops/attention.py)
         w["k_cache_scale"], w["v_cache_scale"] = cache.kv_scales[layer.layer_id]
     return w
+
+
+def _add_embedding(head: _Weights, embed: torch.nn.Module, lm_head: torch.nn.Module) -> None:
+    """head["embed_tokens.weight"]: the embedding's rows as stored (float32 or bfloat16), or, where the
+    embedding is the tied lm_head's quantized data itself, those with the lm_head's scales."""
+    weight = embed.weight.detach()
+    fmt = getattr(embed, "fmt", None)
+    if fmt is None and weight.untyped_storage().data_ptr() == lm_head.weight.untyped_storage().data_ptr():
+        fmt = weight_format(lm_head)  # tied: the head's rows, in its format
+        embed = lm_head
+    if fmt is not None:
+        head.add_projection({"embed_tokens.weight": embed})
+    else:
+        head["embed_tokens.weight"] = weight
 
 
 DIMS = (  # the config's sizes that FusedStack reads, by their names
@@ -169,6 +185,7 @@ DIMS = (  # the config's sizes that FusedStack reads, by their names
     "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
     "norm_topk_prob",
 )
+GROUP_DIMS = {name: f"{name}_group" for name in QUANTIZATIONS}  # a quantized format's columns per scale
 
 
 _NO_HIDDEN = torch.empty(0)  # the trunk's forward takes no hidden input
@@ -177,7 +194,7 @@ _NO_HIDDEN = torch.empty(0)  # the trunk's forward takes no hidden input
 class _FusedStack:
     """Python side of the C++ FusedStack: hands it the named tensors, runs it on a ForwardContext."""
 
-    def __init__(self, model: torch.nn.Module, cache: CacheTensors, head: dict[str, torch.Tensor], layers,
+    def __init__(self, model: torch.nn.Module, cache: CacheTensors, head: _Weights, layers,
                  mtp: bool, ext: ModuleType | None = None) -> None:
         """head: the stack's own tensors by name besides the final norm and rotary frequencies (FusedStack's
         constructor lists them); ext: another build of the C++ step (the tests' portable one)."""
@@ -187,9 +204,12 @@ class _FusedStack:
         ext = ext or load_extension()
         cfg = model.rank_config  # this rank's heads and MLP width (the whole model's with one rank)
         with torch.no_grad():
-            head = head | {"rotary.inv_freq": model.model.rotary.inv_freq.contiguous()}
+            head["rotary.inv_freq"] = model.model.rotary.inv_freq.contiguous()
             weights = [_layer_weights(layer, cache) for layer in layers]
+        for w in weights:
+            head.merge(w)
         dims = {name: int(getattr(cfg, name)) for name in DIMS}
+        dims |= {GROUP_DIMS[name]: group for name, group in head.groups.items()}
         vocab_rows = head["embed_tokens.weight"].shape[0]
         dims["vocab_size"] = vocab_rows  # under tensor parallelism the rank's rows of the padded vocabulary
         self._impl = ext.FusedStack(dims, cfg.rms_norm_eps, head, [layer.layer_type for layer in layers], weights, mtp)
@@ -199,7 +219,7 @@ class _FusedStack:
         self.gdn_layer_ids = [layer.layer_id for layer in layers if layer.layer_type == "linear_attention"]
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Every tensor the C++ stack holds, by name: the model's and the cache's own, and its bf16 copies."""
+        """Every tensor the C++ stack holds, by name: the model's and the cache's own, and a few vectors."""
         return self._impl.named_tensors()
 
     PROFILE_PARTS = ("projections", "gdn_conv_and_recurrence", "attention", "forward")
@@ -240,12 +260,14 @@ class FusedTrunk(_FusedStack):
 
     def __init__(self, model: torch.nn.Module, cache: CacheTensors, ext: ModuleType | None = None) -> None:
         text = model.model
-        head = {"embed_tokens.weight": text.embed_tokens.weight.detach().float(), "norm.scale": _one_plus(text.norm)}
-        _add_projection(head, "lm_head.panels", {"lm_head.weight": model.lm_head.weight})
+        head = _Weights()
+        _add_embedding(head, text.embed_tokens, model.lm_head)
+        head["norm.scale"] = _one_plus(text.norm)
+        head.add_projection({"lm_head.weight": model.lm_head})
         super().__init__(model, cache, head, list(text.layers), mtp=False, ext=ext)
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
-        """The model's compute_logits, through the C++ projection (bf16 panels when the weights allow)."""
+        """The model's compute_logits, through the C++ projection of the lm_head in its format."""
         if rows is not None:
             hidden = hidden[rows]
         return self._impl.logits(hidden.float())
@@ -268,8 +290,9 @@ class FusedTrunk(_FusedStack):
     @property
     def greedy_screen(self) -> bool:
         """Whether greedy_tokens screens the vocabulary with bf16 dot products before the exact fp32 pass
-        (deltaserve/ops/csrc/greedy_screen.cpp): AVX512-BF16, and a finite lm_head of bf16 values. Same tokens
-        either way; settable to False for measurements."""
+        (deltaserve/ops/csrc/greedy_screen.cpp): AVX512-BF16, and a finite lm_head stored in bf16 (any other
+        format runs its exact projection with the argmax fused). Same tokens either way; settable to False
+        for measurements."""
         return self._impl.greedy_screen_on()
 
     @greedy_screen.setter
@@ -296,14 +319,15 @@ class FusedMTP(_FusedStack):
         if mtp is None or len(mtp.layers) != 1:
             raise ValueError("the fused MTP head needs a model with exactly one MTP layer")
         embed = mtp.embed_tokens if mtp.embed_tokens is not None else model.model.embed_tokens
-        # Drafts take their logits from the trunk's lm_head (FusedTrunk.logits): no second bf16 copy here.
-        head = {
-            "embed_tokens.weight": embed.weight.detach().float(), "norm.scale": _one_plus(mtp.norm),
-            "lm_head.weight": model.lm_head.weight.detach().float(),
+        # Drafts take their logits from the trunk's lm_head (FusedTrunk.logits); this one's is only checked.
+        head = _Weights()
+        _add_embedding(head, embed, model.lm_head)
+        head.add_projection({"lm_head.weight": model.lm_head, "fc.weight": mtp.fc})
+        head |= {
+            "norm.scale": _one_plus(mtp.norm),
             "pre_fc_norm_embedding.scale": _one_plus(mtp.pre_fc_norm_embedding),
             "pre_fc_norm_hidden.scale": _one_plus(mtp.pre_fc_norm_hidden),
         }
-        _add_projection(head, "fc.panels", {"fc.weight": mtp.fc.weight})
         super().__init__(model, cache, head, list(mtp.layers), mtp=True, ext=ext)
 
     def __call__(

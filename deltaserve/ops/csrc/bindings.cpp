@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -25,29 +26,31 @@ void check_float(const at::Tensor& t, const char* name, int64_t dim) {
               dim, " dims");
 }
 
-at::Tensor linear_panels_alone(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
-  check_float(x, "x", 2);
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
-                  panels.size(1) == x.size(1) && panels.size(2) == kPanel && N > 0 && N <= panels.size(0) * kPanel,
-              "panels: contiguous bf16 [ceil(N / 64), K, 64] for x's K");
-  return linear_panels(x, panels, N);
+// A projection's part from Python: (data, scale or None, format name as formats.py's, group size or 0).
+using PartSpec = std::tuple<at::Tensor, std::optional<at::Tensor>, std::string, int64_t>;
+
+WeightPart part_of_spec(const PartSpec& spec, int64_t K, const std::string& what) {
+  const auto& [data, scale, format, group] = spec;
+  return make_part(data, scale.value_or(at::Tensor()), format_named(format), group, K, what);
 }
 
-at::Tensor linear_alone(const at::Tensor& x, const std::vector<at::Tensor>& parts,
-                        const std::optional<at::Tensor>& panels) {
-  check_float(x, "x", 2);
+Linear linear_of(const std::vector<PartSpec>& parts, int64_t K) {
   TORCH_CHECK(!parts.empty(), "parts: at least one");
-  for (const at::Tensor& p : parts) {
-    check_float(p, "parts", 2);
-    TORCH_CHECK(p.size(1) == x.size(1), "parts: [N_i, K] for x's K");
-  }
-  Linear l = make_linear(parts, panels.value_or(at::Tensor()));
-  if (l.panels.defined()) {
-    TORCH_CHECK(l.panels.scalar_type() == at::kBFloat16 && l.panels.is_contiguous() &&
-                    l.panels.sizes() == at::IntArrayRef({(l.N + kPanel - 1) / kPanel, l.K, kPanel}),
-                "panels: contiguous bf16 [ceil(N / 64), K, 64]");
-  }
-  return apply(l, x);
+  std::vector<WeightPart> out;
+  for (size_t i = 0; i < parts.size(); ++i) out.push_back(part_of_spec(parts[i], K, "part " + std::to_string(i)));
+  return make_linear(std::move(out));
+}
+
+at::Tensor linear_alone(const at::Tensor& x, const std::vector<PartSpec>& parts) {
+  check_float(x, "x", 2);
+  return apply(linear_of(parts, x.size(1)), x);
+}
+
+at::Tensor linear_argmax_alone(const at::Tensor& x, const std::vector<PartSpec>& parts) {
+  check_float(x, "x", 2);
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  apply(linear_of(parts, x.size(1)), x, out.data_ptr<int64_t>());
+  return out;
 }
 
 at::Tensor rms_norm_alone(const at::Tensor& x, const at::Tensor& scale, double eps) {
@@ -191,35 +194,29 @@ void set_all_reduce_hook(FusedStack& stack, pybind11::function hook, int64_t voc
       vocab_start);
 }
 
-// The sparse-MoE MLP of normed rows h [T, H]: router_shared = [router, shared gate_proj, shared up_proj,
-// shared_expert_gate] weights; the experts' 3-D gate_up [E, 2I, H] and down [E, H, I]; panels (all or none):
-// [router_shared, shared_down, gate_up, down] as stack.py makes them.
-at::Tensor moe_alone(const at::Tensor& h, const std::vector<at::Tensor>& router_shared, const at::Tensor& shared_down,
-                     const at::Tensor& gate_up, const at::Tensor& down, const std::vector<at::Tensor>& panels,
-                     int64_t top_k, bool norm_topk) {
+// The sparse-MoE MLP of normed rows h [T, H]: router_shared = the parts [router, shared gate_proj, shared
+// up_proj, shared_expert_gate]; shared_down; the experts' 3-D gate_up [E, 2I, H'] and down [E, H, I'] (with
+// their 3-D scales), each as (data, scale, format, group) as stack.py hands them over.
+at::Tensor moe_alone(const at::Tensor& h, const std::vector<PartSpec>& router_shared, const PartSpec& shared_down,
+                     const PartSpec& gate_up, const PartSpec& down, int64_t top_k, bool norm_topk) {
   check_float(h, "h", 2);
-  check_float(gate_up, "gate_up", 3);
-  check_float(down, "down", 3);
   TORCH_CHECK(router_shared.size() == 4, "router_shared: router, shared gate_proj, up_proj, shared_expert_gate");
-  const int64_t H = h.size(1), E = gate_up.size(0), I = gate_up.size(1) / 2, Is = router_shared[1].size(0);
-  TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == H && down.sizes() == at::IntArrayRef({E, H, I}),
-              "gate_up [E, 2I, H] and down [E, H, I] for h [T, H]");
-  TORCH_CHECK(router_shared[0].size(0) == E && router_shared[2].size(0) == Is && router_shared[3].size(0) == 1 &&
-                  shared_down.dim() == 2 && shared_down.size(0) == H && shared_down.size(1) == Is,
+  const at::Tensor& gu = std::get<0>(gate_up);
+  const at::Tensor& dn = std::get<0>(down);
+  TORCH_CHECK(gu.dim() == 3 && dn.dim() == 3, "gate_up [E, 2I, H] and down [E, H, I]");
+  const int64_t H = h.size(1), E = gu.size(0), I = gu.size(1) / 2, Is = std::get<0>(router_shared[1]).size(0);
+  TORCH_CHECK(gu.size(1) == 2 * I && dn.size(0) == E && dn.size(1) == H, "gate_up [E, 2I, H] and down [E, H, I]");
+  TORCH_CHECK(std::get<0>(router_shared[0]).size(0) == E && std::get<0>(router_shared[2]).size(0) == Is &&
+                  std::get<0>(router_shared[3]).size(0) == 1 && std::get<0>(shared_down).size(0) == H,
               "router [E, H], shared gate_proj and up_proj [Is, H], shared_expert_gate [1, H], shared down [H, Is]");
-  for (const at::Tensor& t : router_shared) {
-    check_float(t, "router_shared", 2);
-    TORCH_CHECK(t.size(1) == H, "router_shared: [N_i, H]");
-  }
   TORCH_CHECK(top_k > 0 && top_k <= E, "top_k: 1 .. E");
-  TORCH_CHECK(panels.empty() || panels.size() == 4, "panels: none, or one per projection");
-  for (const at::Tensor& t : panels) TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous(), "panels: bf16");
-  auto panel = [&](size_t i) { return panels.empty() ? at::Tensor() : panels[i]; };
   MoeWeights w;
-  w.router_shared = make_linear(router_shared, panel(0));
-  w.shared_down = make_linear({shared_down}, panel(1));
-  w.gate_up = expert_linears(gate_up, panel(2));
-  w.down = expert_linears(down, panel(3));
+  w.router_shared = linear_of(router_shared, H);
+  w.shared_down = linear_of({shared_down}, Is);
+  for (auto [spec, K, out] : {std::tuple{&gate_up, H, &w.gate_up}, {&down, I, &w.down}}) {
+    const auto& [data, scale, format, group] = *spec;
+    *out = expert_linears(data, scale.value_or(at::Tensor()), format_named(format), group, K, "experts");
+  }
   return moe_mlp(MoeDims{E, top_k, I, Is, norm_topk}, w, h, nullptr);
 }
 
@@ -246,10 +243,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_all_reduce", &set_all_reduce_hook, pybind11::arg("all_reduce"), pybind11::arg("vocab_start"));
   // The kernels one by one (tests/test_kernels.py tests each against its deltaserve/ops or deltaserve/model
   // reference). Inputs are checked here; the kernels themselves trust the stack's checks.
-  m.def("linear_panels", &linear_panels_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "y [T, N] = x [T, K] @ w^T through the bf16 panels of w (stack.py's _linear)");
   m.def("linear", &linear_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "y = x @ cat(parts)^T as the stack projects: through the panels when given, else one GEMM per part");
+        "y = x @ cat(dequantize(part) for part in parts)^T as the stack projects; a part is (data, scale or None, "
+        "format name, group)");
+  m.def("linear_argmax", &linear_argmax_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "torch.argmax of linear(x, parts) per row, without keeping the outputs");
   m.def("rms_norm", &rms_norm_alone, "x [T, n] * rsqrt(mean(x^2) + eps) * scale (scale = 1 + RMSNorm.weight)");
   m.def("gated_rms_norm", &gated_rms_norm_alone, "x * rsqrt(mean(x^2) + eps) * weight * silu(z) over x's last dim");
   m.def("rotary", &rotary_alone, "x [T, heads, head_dim] with rotate-half RoPE on its first 2 len(inv_freq) dims");

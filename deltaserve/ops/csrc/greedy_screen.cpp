@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -16,65 +17,63 @@ namespace deltaserve {
 #if defined(__AVX512BF16__)
 GreedyScreen make_greedy_screen(const Linear& lm) {
   GreedyScreen s;
-  std::vector<at::Tensor> part_norms;
-  for (const at::Tensor& w : lm.parts) {
-    if (!at::isfinite(w).all().item<bool>()) return s;
-    part_norms.push_back(w.to(at::kDouble).square().sum(1).sqrt() * (1.0 + 1e-6));  // up, past fp32 rounding
-  }
-  const at::Tensor norms = at::cat(part_norms);
-  if (!(norms.max().item<double>() < 1e30)) return s;
-  const int64_t N = lm.N, K = lm.K, P = (N + kPanel - 1) / kPanel, K2 = (K + 1) / 2;
-  const at::TensorOptions fp32 = lm.parts[0].options();
-  at::Tensor padded = at::zeros({P * kPanel, 2 * K2}, fp32.dtype(at::kBFloat16));
-  int64_t row = 0;
-  for (const at::Tensor& w : lm.parts) {
-    padded.narrow(0, row, w.size(0)).narrow(1, 0, K).copy_(w);
-    row += w.size(0);
-  }
-  s.pairs = padded.view({P, kPanel, K2, 2}).permute({0, 2, 1, 3}).contiguous();
-  s.max_norm = norms.max().item<double>();
-  s.norms = at::zeros({P * kPanel}, fp32);
-  s.norms.narrow(0, 0, N).copy_(norms);
-  s.bias = at::full({P * kPanel}, -INFINITY, fp32);
-  s.bias.narrow(0, 0, N).zero_();
+  if (lm.parts.size() != 1 || lm.parts[0].format != Format::kBFloat16) return s;
+  const int64_t N = lm.N, K = lm.K;
+  const uint16_t* w = static_cast<const uint16_t*>(lm.parts[0].data.data_ptr());
+  at::Tensor norms = at::empty({N}, at::kFloat);
+  float* np = norms.data_ptr<float>();
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, N, grain_for(K), [&](int64_t n0, int64_t n1) {  // row by row: no widened copy
+    for (int64_t n = n0; n < n1; ++n) {
+      double sum = 0.0;
+      bool ok = true;
+      for (int64_t k = 0; k < K; ++k) {
+        const double v = bf16_to_float(w[n * K + k]);
+        ok = ok && std::isfinite(v);
+        sum += v * v;
+      }
+      if (!ok) finite = false;
+      np[n] = static_cast<float>(std::sqrt(sum) * (1.0 + 1e-6));  // up, past fp32 rounding
+    }
+  });
+  const double max_norm = norms.max().item<double>();
+  if (!finite || !(max_norm < 1e30)) return s;
+  s.norms = norms;
+  s.max_norm = max_norm;
   return s;
 }
-bool ready(const GreedyScreen& s) { return s.pairs.defined(); }
+bool ready(const GreedyScreen& s) { return s.norms.defined(); }
 
-// R rows (bf16 pairs) times one panel of pairs, then each row's largest lower and upper bound in the panel.
-template <int R>
-void screen_rows(const uint32_t* x, int64_t K2, const uint16_t* panel, const float* norms, const float* bias,
-                 const float* scale, const float* slack, float* lower, float* upper, int64_t ld) {
-  __m512 acc[R][4];
+// out[r * ldo + j] = the bf16 dot products of R rows (bf16 pairs, K2 per row) with NO weight rows (bf16, K
+// per row, ldw apart), accumulated in fp32 by vdpbf16ps.
+template <int NO, int R>
+void screen_block(const uint32_t* x, int64_t K2, const uint16_t* w, int64_t K, float* out, int64_t ldo) {
+  __m512 acc[R][NO];
   for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_setzero_ps();
   }
-  for (int64_t k = 0; k < K2; ++k) {
-    __m512bh w[4];
-    for (int j = 0; j < 4; ++j) w[j] = (__m512bh)_mm512_loadu_si512(panel + k * 2 * kPanel + 32 * j);
+  auto step = [&](int64_t j0, __mmask16 pairs, __mmask32 values) {
+    __m512bh wv[NO];
+    for (int j = 0; j < NO; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(values, w + j * K + 2 * j0);
     for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * K2 + k]));
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, w[j]);
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi32(pairs, x + r * K2 + j0);
+      for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
     }
+  };
+  int64_t j0 = 0;
+  for (; 2 * j0 + 32 <= K; j0 += 16) step(j0, 0xFFFF, 0xFFFFFFFFu);
+  if (j0 < K2) {  // the last pairs; an odd K's last one has one weight (and x's high half is 0)
+    step(j0, static_cast<__mmask16>((1u << (K2 - j0)) - 1), static_cast<__mmask32>((1ull << (K - 2 * j0)) - 1));
   }
   for (int r = 0; r < R; ++r) {
-    __m512 lo = _mm512_set1_ps(-INFINITY), hi = lo;
-    for (int j = 0; j < 4; ++j) {
-      const __m512 b = _mm512_loadu_ps(bias + 16 * j);
-      const __m512 margin = _mm512_fmadd_ps(_mm512_set1_ps(scale[r]), _mm512_loadu_ps(norms + 16 * j),
-                                            _mm512_set1_ps(slack[r]));
-      lo = _mm512_max_ps(lo, _mm512_add_ps(_mm512_sub_ps(acc[r][j], margin), b));
-      hi = _mm512_max_ps(hi, _mm512_add_ps(_mm512_add_ps(acc[r][j], margin), b));
-    }
-    lower[r * ld] = _mm512_reduce_max_ps(lo);
-    upper[r * ld] = _mm512_reduce_max_ps(hi);
+    for (int j = 0; j < NO; ++j) out[r * ldo + j] = _mm512_reduce_add_ps(acc[r][j]);
   }
 }
 
 // Fills argmax [T]. Rows that are not finite, or whose logits could come near overflow, are outside the
 // screen's range: all their panels go through the fp32 kernel, the plain path.
 void screened_greedy(const at::Tensor& h, const GreedyScreen& s, const Linear& lm, int64_t* argmax) {
-  const int64_t T = h.size(0), K = h.size(1), N = lm.N, P = s.pairs.size(0), K2 = s.pairs.size(1);
+  const int64_t T = h.size(0), K = h.size(1), N = lm.N, P = (N + kPanel - 1) / kPanel, K2 = (K + 1) / 2;
   const float* hp = h.data_ptr<float>();
   std::vector<uint32_t> pairs(T * K2, 0);  // each row rounded to bf16 (subnormals flushed, as vdpbf16ps does)
   std::vector<float> scale(T, 0.0f), slack(T, 0.0f);
@@ -106,28 +105,39 @@ void screened_greedy(const at::Tensor& h, const GreedyScreen& s, const Linear& l
     slack[t] = static_cast<float>(std::ldexp(h1 + 2.0 * K, -100));
   }
   std::vector<float> lower(T * P), upper(T * P);  // [T, P]
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(s.pairs.data_ptr<at::BFloat16>());
+  const uint16_t* wp = static_cast<const uint16_t*>(lm.parts[0].data.data_ptr());
   const float* np = s.norms.data_ptr<float>();
-  const float* bp = s.bias.data_ptr<float>();
-  for (int64_t r0 = 0; r0 < T; r0 += kRowBlock) {
-    const int64_t r1 = std::min(T, r0 + kRowBlock);
-    at::parallel_for(0, P, grain_for((r1 - r0) * K * kPanel / 2), [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const uint16_t* panel = wp + p * K2 * 2 * kPanel;
-        for (int64_t t = r0; t < r1; t += 6) {
-          const int64_t rows = std::min<int64_t>(6, r1 - t);
-          with_row_tile(rows, [&](auto R) {
-            screen_rows<decltype(R)::value>(pairs.data() + t * K2, K2, panel, np + p * kPanel, bp + p * kPanel,
-                                            scale.data() + t, slack.data() + t, lower.data() + t * P + p,
-                                            upper.data() + t * P + p, P);
-          });
+  at::parallel_for(0, P, grain_for(T * K * kPanel / 2), [&](int64_t p0, int64_t p1) {
+    float approx[4 * kPanel];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kPanel, ncols = std::min(kPanel, N - n0);
+      for (int64_t t = 0; t < T; t += 4) {  // 4 outputs' weights stay in L1 while the row tiles pass
+        const int64_t rows = std::min<int64_t>(4, T - t);
+        with_rows<4>(rows, [&](auto R) {
+          constexpr int kR = decltype(R)::value;
+          int64_t j = 0;
+          for (; j + 4 <= ncols; j += 4) {
+            screen_block<4, kR>(pairs.data() + t * K2, K2, wp + (n0 + j) * K, K, approx + j, kPanel);
+          }
+          for (; j < ncols; ++j) screen_block<1, kR>(pairs.data() + t * K2, K2, wp + (n0 + j) * K, K, approx + j, kPanel);
+        });
+        for (int64_t r = 0; r < rows; ++r) {
+          float lo = -INFINITY, hi = -INFINITY;
+          for (int64_t j = 0; j < ncols; ++j) {
+            const float a = approx[r * kPanel + j], margin = scale[t + r] * np[n0 + j] + slack[t + r];
+            lo = std::max(lo, a - margin);
+            hi = std::max(hi, a + margin);
+          }
+          lower[(t + r) * P + p] = lo;
+          upper[(t + r) * P + p] = hi;
         }
       }
-    });
-  }
-  const uint16_t* exact = reinterpret_cast<const uint16_t*>(lm.panels.data_ptr<at::BFloat16>());
+    }
+  });
+  const bool packed = packed_rows(T);  // the kernel logits() runs for T rows: the same sums
   at::parallel_for(0, T, grain_for(4 * K * kPanel), [&](int64_t t0, int64_t t1) {
     float logits[kPanel];
+    std::vector<float> tile;
     for (int64_t t = t0; t < t1; ++t) {
       const float floor = *std::max_element(lower.begin() + t * P, lower.begin() + (t + 1) * P);
       int64_t best = -1;
@@ -135,7 +145,7 @@ void screened_greedy(const at::Tensor& h, const GreedyScreen& s, const Linear& l
       for (int64_t p = 0; p < P; ++p) {
         if (screened[t] && !(upper[t * P + p] >= floor)) continue;
         const int64_t ncols = std::min(kPanel, N - p * kPanel);
-        panel_rows<1>(hp + t * K, K, exact + p * K * kPanel, logits, kPanel, ncols);
+        project_panel(lm, hp + t * K, 1, p * kPanel, ncols, packed, tile, logits, kPanel);
         const int64_t at = first_argmax(logits, ncols);
         if (best < 0 || beats(logits[at], best_value)) best = p * kPanel + at, best_value = logits[at];
       }

@@ -1,4 +1,4 @@
-// The greedy screen of the lm_head (AVX512-BF16): greedy tokens exactly, at the bf16 dot product's rate.
+// The greedy screen of a bf16 lm_head (AVX512-BF16): greedy tokens exactly, at the bf16 dot product's rate.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,30 +9,32 @@
 
 namespace deltaserve {
 
-// Greedy tokens through a bf16 screen, exactly. The lm_head is the largest projection of a decode step
-// (38% of the 60M benchmark model's), and greedy decoding wants only each row's argmax. AVX512-BF16's
-// vdpbf16ps multiplies bf16 pairs at twice the fp32 FMA rate, but only if the hidden row is rounded to
-// bf16 too; so it screens, and the fp32 kernel decides:
-//   1. every logit is computed approximately from the rounded row h~ (the weights are exactly bf16), with
-//      a rigorous bound on how far it can be from the fp32 logit the panel kernel computes:
+// Greedy tokens through a bf16 screen, exactly. The lm_head is the largest projection of a decode step, and
+// greedy decoding wants only each row's argmax. AVX512-BF16's vdpbf16ps multiplies bf16 pairs at twice the
+// fp32 FMA rate, but only if the hidden row is rounded to bf16 too; so it screens, and the fp32 kernel
+// decides:
+//   1. every logit is computed approximately from the rounded row h~ (the weights are bf16, read where they
+//      are: a row-major bf16 row is already pairs along K), with a rigorous bound on how far it can be from
+//      the fp32 logit the projection computes:
 //        |a_v - a~_v| <= ||h - h~|| ||w_v|| + gamma (||h|| + ||h~||) ||w_v|| + tiny
-//      (Cauchy-Schwarz for the rounding of h; gamma for the fp32 summation error of either sum; the tiny
-//      absolute term for flushed subnormals), kept per row and panel as the largest lower and upper bound;
+//      (Cauchy-Schwarz for the rounding of h; gamma for the fp32 summation error of either sum, in any order;
+//      the tiny absolute term for flushed subnormals), kept per row and panel of 64 outputs as the largest
+//      lower and upper bound;
 //   2. L = the row's largest lower bound is <= the maximum logit, so only panels whose largest upper bound
-//      reaches L can hold it; those (usually one or two of 500) are computed again by the fp32 panel
-//      kernel, and their argmax, in panel order with torch.argmax's rules, is the argmax of the logits
-//      that FusedStack::logits would return: bit for bit the same numbers, not an approximation of them.
-// Rows that are not finite or whose logits could come near overflow take the plain path.
+//      reaches L can hold it; those (usually one or two of thousands) are computed again by the projection's
+//      own kernel for that many rows (project_panel), and their argmax, in panel order with torch.argmax's
+//      rules, is the argmax of the logits that FusedStack::logits would return: bit for bit the same
+//      numbers, not an approximation of them.
+// Rows that are not finite or whose logits could come near overflow take the plain path. An lm_head in any
+// other format (fp32, fp8, int8, int4) has no screen: greedy_tokens runs its exact projection with the argmax
+// fused (apply with argmax), which is bound by streaming the weights anyway.
 #if defined(__AVX512BF16__)
 
-// A single row's lm_head is bound by streaming the weights, which the screen does not shorten (measured
-// 4% slower on the 60M benchmark model with the weights out of cache); from two rows on it is faster.
+// A single row's lm_head is bound by streaming the weights, which the screen does not shorten: from two on.
 constexpr int64_t kMinScreenedRows = 2;
 
 struct GreedyScreen {
-  at::Tensor pairs;  // bf16 [P, ceil(K/2), 64, 2]: for output 64p + i, weights k = 2j and 2j + 1 side by side
-  at::Tensor norms;  // fp32 [64 P]: each output's weight norm, rounded up (0 for the padding outputs)
-  at::Tensor bias;   // fp32 [64 P]: 0, or -inf for the padding outputs of the last panel
+  at::Tensor norms;  // fp32 [N]: each output's weight norm, rounded up
   double max_norm = 0.0;
 };
 #else
@@ -40,9 +42,8 @@ constexpr int64_t kMinScreenedRows = 0;
 struct GreedyScreen {};
 #endif
 
-// The screen of an lm_head whose values are all bf16 numbers (it has panels), or an empty one when a weight
-// is not finite or a row's norm is so large that the bounds could overflow (always empty without
-// AVX512-BF16). Built from the lm_head's parts: no fp32 copy of the weight.
+// The screen of an lm_head stored as one bf16 part, or an empty one when it is in another format, a weight is
+// not finite or a row's norm is so large that the bounds could overflow (always empty without AVX512-BF16).
 GreedyScreen make_greedy_screen(const Linear& lm);
 bool ready(const GreedyScreen& s);
 

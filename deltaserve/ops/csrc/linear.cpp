@@ -3,84 +3,402 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "parallel.h"
+#include "simd.h"
 
 namespace deltaserve {
 
-at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N, int64_t* argmax) {
-  const int64_t T = x.size(0), K = x.size(1), P = panels.size(0);
+Format format_named(const std::string& name) {
+  if (name == "float32") return Format::kFloat32;
+  if (name == "bfloat16") return Format::kBFloat16;
+  if (name == "fp8") return Format::kFp8;
+  if (name == "int8") return Format::kInt8;
+  if (name == "int4") return Format::kInt4;
+  TORCH_CHECK(false, "weight format '", name, "' is not known (float32, bfloat16, fp8, int8, int4)");
+}
+
+const char* format_name(Format f) {
+  switch (f) {
+    case Format::kFloat32: return "float32";
+    case Format::kBFloat16: return "bfloat16";
+    case Format::kFp8: return "fp8";
+    case Format::kInt8: return "int8";
+    case Format::kInt4: return "int4";
+  }
+  return "?";
+}
+
+WeightPart make_part(const at::Tensor& data, const at::Tensor& scale, Format format, int64_t group, int64_t K,
+                     const std::string& what) {
+  static const at::ScalarType data_dtype[] = {at::kFloat, at::kBFloat16, at::kFloat8_e4m3fn, at::kChar, at::kByte};
+  const at::ScalarType want = data_dtype[static_cast<int>(format)];
+  TORCH_CHECK(data.dim() == 2 && data.is_contiguous(), what, ": contiguous [N, K] data expected");
+  TORCH_CHECK(data.scalar_type() == want, what, ": ", format_name(format), " data is ", want, ", got ",
+              data.scalar_type());
+  const int64_t columns = format == Format::kInt4 ? (K + 1) / 2 : K;
+  TORCH_CHECK(data.size(1) == columns, what, ": ", format_name(format), " data of K = ", K, " inputs has ", columns,
+              " columns, got ", data.size(1));
+  WeightPart p;
+  p.data = data, p.format = format, p.rows = data.size(0), p.K = K;
+  p.row_bytes = columns * static_cast<int64_t>(data.element_size());
+  if (!quantized(format)) {
+    TORCH_CHECK(!scale.defined(), what, ": the ", format_name(format), " format has no scale");
+    return p;
+  }
+  TORCH_CHECK(group > 0 && (format != Format::kInt4 || group % 2 == 0), what, ": ", format_name(format),
+              " needs a group size > 0 (even for int4), got ", group);
+  TORCH_CHECK(scale.defined(), what, ": ", format_name(format), " weights need their scale");
+  const at::ScalarType scale_dtype = format == Format::kFp8 ? at::kFloat : at::kBFloat16;
+  p.group = group, p.groups = (K + group - 1) / group;
+  TORCH_CHECK(scale.dim() == 2 && scale.is_contiguous() && scale.size(0) == p.rows && scale.size(1) == p.groups,
+              what, ": contiguous scale [", p.rows, ", ", p.groups, "] expected (group ", group, "), got ",
+              scale.sizes());
+  TORCH_CHECK(scale.scalar_type() == scale_dtype, what, ": ", format_name(format), " scales are ", scale_dtype,
+              ", got ", scale.scalar_type());
+  p.scale = scale;
+  return p;
+}
+
+Linear make_linear(std::vector<WeightPart> parts) {
+  Linear l;
+  TORCH_CHECK(!parts.empty(), "a projection needs at least one part");
+  l.K = parts[0].K;
+  for (const WeightPart& p : parts) {
+    TORCH_CHECK(p.K == l.K, "the parts of one projection must have the same K");
+    l.starts.push_back(l.N);
+    l.N += p.rows;
+  }
+  l.starts.push_back(l.N);
+  l.parts = std::move(parts);
+  return l;
+}
+
+namespace {
+
+const uint8_t* bytes_of(const WeightPart& p) { return static_cast<const uint8_t*>(p.data.data_ptr()); }
+const void* scales_of(const WeightPart& p) { return p.scale.defined() ? p.scale.data_ptr() : nullptr; }
+
+// ---- the dot-product kernel: R rows of x times NO consecutive weight rows of one part ----------------------
+template <Format F, int NO, int R>
+void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, float* y, int64_t ldy) {
+  const uint8_t* data = bytes_of(p);
+  const void* scales = scales_of(p);
+#if defined(__AVX512F__)
+  __m512 acc[R][NO];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  const uint8_t* rows[NO];
+  for (int j = 0; j < NO; ++j) rows[j] = data + (row0 + j) * p.row_bytes;
+  // the scales: one broadcast per group and output, counted along K (lane by lane for a group that is not a
+  // multiple of 16)
+  __m512 s[NO];
+  for (int j = 0; j < NO; ++j) s[j] = _mm512_setzero_ps();
+  const bool per_lane = quantized(F) && p.group % 16 != 0;
+  const int64_t steps = quantized(F) && !per_lane ? p.group / 16 : 0;
+  int64_t left = 0, g = 0;
+  auto next_scales = [&](int64_t k0) {
+    if constexpr (quantized(F)) {
+      if (per_lane) {
+        for (int j = 0; j < NO; ++j) s[j] = scales16(p, scales, row0 + j, k0);
+      } else if (left-- == 0) {
+        for (int j = 0; j < NO; ++j) s[j] = group_scale(p, scales, row0 + j, g);
+        ++g, left = steps - 1;
+      }
+    }
+  };
+  int64_t k0 = 0;
+  for (; k0 + 16 <= K; k0 += 16) {
+    next_scales(k0);
+    __m512 w[NO];
+    for (int j = 0; j < NO; ++j) w[j] = widen16<F>(rows[j], k0, 0xFFFF, s[j]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * K + k0);
+      for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
+    }
+  }
+  if (k0 < K) {
+    const __mmask16 valid = static_cast<__mmask16>((1u << (K - k0)) - 1);
+    next_scales(k0);
+    __m512 w[NO];
+    for (int j = 0; j < NO; ++j) w[j] = widen16<F>(rows[j], k0, valid, s[j]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_maskz_loadu_ps(valid, x + r * K + k0);
+      for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if constexpr (NO == 4) {  // the 4 sums at once: a shuffle tree, a third of 4 reductions' instructions
+      const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][0], acc[r][1]),
+                                       _mm512_unpackhi_ps(acc[r][0], acc[r][1]));
+      const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][2], acc[r][3]),
+                                       _mm512_unpackhi_ps(acc[r][2], acc[r][3]));
+      // per 128-bit lane: the partial sums of outputs 0, 1, 2, 3
+      const __m512 b = _mm512_add_ps(_mm512_shuffle_ps(a01, a23, 0x44), _mm512_shuffle_ps(a01, a23, 0xEE));
+      const __m512 c = _mm512_add_ps(b, _mm512_shuffle_f32x4(b, b, 0x4E));
+      const __m512 d = _mm512_add_ps(c, _mm512_shuffle_f32x4(c, c, 0xB1));
+      _mm_storeu_ps(y + r * ldy, _mm512_castps512_ps128(d));
+    } else {
+      for (int j = 0; j < NO; ++j) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r][j]);
+    }
+  }
+#else
+  float acc[R][NO][16] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += 16) {
+    const int64_t n = std::min<int64_t>(16, K - k0);
+    float w[NO][16] = {};
+    for (int j = 0; j < NO; ++j) widen_scalar(p, data, scales, row0 + j, k0, n, w[j]);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * K + k0;
+      for (int j = 0; j < NO; ++j) {
+#pragma omp simd
+        for (int i = 0; i < 16; ++i) acc[r][j][i] += (i < n ? xr[i] : 0.0f) * w[j][i];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < NO; ++j) {
+      float s = 0.0f;
+      for (int i = 0; i < 16; ++i) s += acc[r][j][i];
+      y[r * ldy + j] = s;
+    }
+  }
+#endif
+}
+
+// Outputs [n, n + count) of part p (local rows) for rows of x, 4 outputs and 4 rows at a time: the weights of
+// 4 outputs (a few KB) stay in L1 while the row tiles pass, so each is read from memory once.
+template <Format F>
+void dot_part(const WeightPart& p, int64_t row0, int64_t count, const float* x, int64_t T, int64_t K, float* y,
+              int64_t ldy) {
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    for (int64_t t = 0; t < T; t += 4) {
+      with_rows<4>(std::min<int64_t>(4, T - t),
+                 [&](auto R) { dot_block<F, 4, decltype(R)::value>(p, row0 + j, x + t * K, K, y + t * ldy + j, ldy); });
+    }
+  }
+  for (; j < count; ++j) {
+    for (int64_t t = 0; t < T; t += 4) {
+      with_rows<4>(std::min<int64_t>(4, T - t),
+                 [&](auto R) { dot_block<F, 1, decltype(R)::value>(p, row0 + j, x + t * K, K, y + t * ldy + j, ldy); });
+    }
+  }
+}
+
+// The part holding output n.
+int64_t part_of(const Linear& l, int64_t n) {
+  return std::upper_bound(l.starts.begin(), l.starts.end(), n) - l.starts.begin() - 1;
+}
+
+// ---- the packed kernel: a tile of widened weights, reused over rows of x -----------------------------------
+#if defined(__AVX512F__)
+// r[i] = column i of the 16 x 16 matrix whose rows were r[0..16)
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
+}
+
+// widen16 of any part (the packing's: its outputs may belong to parts of several formats); g = k0 / group.
+__m512 widen16_any(const WeightPart& p, int64_t row, int64_t k0, int64_t g, __mmask16 valid) {
+  const uint8_t* r = bytes_of(p) + row * p.row_bytes;
+  __m512 scale = _mm512_setzero_ps();
+  if (quantized(p.format)) {
+    scale = p.group % 16 == 0 ? group_scale(p, scales_of(p), row, g) : scales16(p, scales_of(p), row, k0);
+  }
+  __m512 v;
+  with_format(p.format, [&](auto F) { v = widen16<decltype(F)::value>(r, k0, valid, scale); });
+  return v;
+}
+#endif
+
+// tile [kb, 64] = w[n0 .. n0 + ncols, k0 .. k0 + kb)^T in fp32, the columns past ncols zero.
+void pack_tile(const Linear& l, int64_t n0, int64_t ncols, int64_t k0, int64_t kb, float* tile) {
+  const WeightPart* part[kPanel];
+  int64_t row[kPanel];
+  for (int64_t j = 0; j < ncols; ++j) {
+    const int64_t i = part_of(l, n0 + j);
+    part[j] = &l.parts[i], row[j] = n0 + j - l.starts[i];
+  }
+#if defined(__AVX512F__)
+  for (int64_t j0 = 0; j0 < kPanel; j0 += 16) {
+    for (int64_t kc = 0; kc < kb; kc += 16) {
+      const int64_t n = std::min<int64_t>(16, kb - kc);
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      __m512 v[16];
+      int64_t group = 0, g = 0;  // k0 + kc's group, divided out once per group size (not per output)
+      for (int64_t i = 0; i < 16; ++i) {
+        if (j0 + i >= ncols) {
+          v[i] = _mm512_setzero_ps();
+          continue;
+        }
+        const WeightPart& p = *part[j0 + i];
+        if (p.group != group && p.group > 0) group = p.group, g = (k0 + kc) / group;
+        v[i] = widen16_any(p, row[j0 + i], k0 + kc, g, valid);
+      }
+      transpose16(v);
+      for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(tile + (kc + i) * kPanel + j0, v[i]);
+    }
+  }
+#else
+  for (int64_t j = 0; j < kPanel; ++j) {
+    for (int64_t kc = 0; kc < kb; kc += 16) {
+      const int64_t n = std::min<int64_t>(16, kb - kc);
+      float w[16] = {};
+      if (j < ncols) widen_scalar(*part[j], bytes_of(*part[j]), scales_of(*part[j]), row[j], k0 + kc, n, w);
+      for (int64_t i = 0; i < n; ++i) tile[(kc + i) * kPanel + j] = w[i];
+    }
+  }
+#endif
+}
+
+// y[r, 0 .. ncols) (+)= x[r, 0 .. kb) @ tile for R rows: R x 64 fp32 accumulators in registers, each weight
+// loaded once for all R rows (x's rows are ldx apart, y's ldy; `accumulate`: add to what y holds).
+template <int R>
+void tile_rows(const float* x, int64_t ldx, int64_t kb, const float* tile, float* y, int64_t ldy, int64_t ncols,
+               bool accumulate) {
+#if defined(__AVX512F__)
+  __mmask16 mask[4];
+  for (int j = 0; j < 4; ++j) {
+    const int64_t n = std::clamp<int64_t>(ncols - 16 * j, 0, 16);
+    mask[j] = static_cast<__mmask16>((1u << n) - 1);
+  }
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) {
+      acc[r][j] = accumulate ? _mm512_maskz_loadu_ps(mask[j], y + r * ldy + 16 * j) : _mm512_setzero_ps();
+    }
+  }
+  for (int64_t k = 0; k < kb; ++k) {
+    const float* w = tile + k * kPanel;
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32),
+                 w3 = _mm512_loadu_ps(w + 48);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask[j], acc[r][j]);
+  }
+#else
+  float acc[R][kPanel];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < kPanel; ++j) acc[r][j] = accumulate && j < ncols ? y[r * ldy + j] : 0.0f;
+  }
+  for (int64_t k = 0; k < kb; ++k) {
+    const float* w = tile + k * kPanel;
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * ldx + k];
+#pragma omp simd
+      for (int j = 0; j < kPanel; ++j) acc[r][j] += xv * w[j];
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], ncols * sizeof(float));
+#endif
+}
+
+// Rows [r0, r1) of x times panel p's outputs, into out (ld ldo), through the packed kernel.
+void packed_panel(const Linear& l, const float* x, int64_t r0, int64_t r1, int64_t n0, int64_t ncols, float* tile,
+                  float* out, int64_t ldo) {
+  const int64_t K = l.K;
+  for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
+    const int64_t kb = std::min(kKBlock, K - k0);
+    pack_tile(l, n0, ncols, k0, kb, tile);
+    for (int64_t t = r0; t < r1; t += 6) {
+      with_rows<6>(std::min<int64_t>(6, r1 - t), [&](auto R) {
+        tile_rows<decltype(R)::value>(x + t * K + k0, K, kb, tile, out + (t - r0) * ldo, ldo, ncols, k0 > 0);
+      });
+    }
+  }
+}
+
+// The dot-product kernel over outputs [n0, n0 + ncols), part by part.
+void dot_outputs(const Linear& l, const float* x, int64_t T, int64_t n0, int64_t ncols, float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n0 + ncols;) {
+    const int64_t i = part_of(l, n);
+    const int64_t count = std::min(n0 + ncols, l.starts[i + 1]) - n;
+    const WeightPart& p = l.parts[i];
+    with_format(p.format, [&](auto F) {
+      dot_part<decltype(F)::value>(p, n - l.starts[i], count, x, T, l.K, y + (n - n0), ldy);
+    });
+    n += count;
+  }
+}
+
+}  // namespace
+
+void project_panel(const Linear& l, const float* x, int64_t rows, int64_t n0, int64_t ncols, bool packed,
+                   std::vector<float>& tile, float* out, int64_t ldo) {
+  if (!packed) return dot_outputs(l, x, rows, n0, ncols, out, ldo);
+  tile.resize(std::min(kKBlock, l.K) * kPanel);
+  packed_panel(l, x, 0, rows, n0, ncols, tile.data(), out, ldo);
+}
+
+at::Tensor apply(const Linear& l, const at::Tensor& x, int64_t* argmax) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == l.K,
+              "projection: x must be contiguous float32 [T, ", l.K, "]");
+  const int64_t T = x.size(0), K = l.K, N = l.N, P = (N + kPanel - 1) / kPanel;
   at::Tensor y = argmax == nullptr ? at::empty({T, N}, x.options()) : at::Tensor();
-  std::vector<float> best_value(argmax == nullptr ? 0 : T * P);  // [T, P]: each row's best in each panel
-  std::vector<int64_t> best_column(best_value.size());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+  if (T == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = argmax == nullptr ? y.data_ptr<float>() : nullptr;
-  // An output past kStreamBytes (a long prompt chunk's) is written around the caches: a normal store first
-  // reads each line of y from memory, and y would push the row block and the panel out of L2. On the 60M
-  // benchmark model's 2048-row projections: 3-5% with outputs of 12 MB and more, 2-4% with the 4 MB of the
-  // 512-wide ones. A decode step's outputs (64 rows x 3072 at most: 0.8 MB) stay in the caches.
-  const bool stream = yp != nullptr && T * N * static_cast<int64_t>(sizeof(float)) > kStreamBytes && N % 16 == 0 &&
-                      reinterpret_cast<uintptr_t>(yp) % 64 == 0;
-  for (int64_t r0 = 0; r0 < T; r0 += kRowBlock) {
-    const int64_t r1 = std::min(T, r0 + kRowBlock);
+  const bool packed = packed_rows(T);
+  const int64_t block = packed ? kRowBlock : T;  // rows per pass over the weights
+  std::vector<float> best_value(argmax == nullptr ? 0 : T * P);  // [T, P]: each row's best in each panel
+  std::vector<int64_t> best_column(best_value.size());
+  for (int64_t r0 = 0; r0 < T; r0 += block) {
+    const int64_t r1 = std::min(T, r0 + block);
     at::parallel_for(0, P, grain_for((r1 - r0) * K * kPanel), [&](int64_t p0, int64_t p1) {
-      float tile[6 * kPanel];
+      std::vector<float> tile;
+      std::vector<float> local(yp == nullptr ? (r1 - r0) * kPanel : 0);  // the panel's outputs, for argmax
       for (int64_t p = p0; p < p1; ++p) {
-        const uint16_t* panel = wp + p * K * kPanel;
         const int64_t n0 = p * kPanel, ncols = std::min(kPanel, N - n0);
-        for (int64_t t = r0; t < r1; t += 6) {
-          const int64_t rows = std::min<int64_t>(6, r1 - t);
-          const float* xt = xp + t * K;
-          float* out = yp != nullptr ? yp + t * N + n0 : tile;
-          const int64_t ld = yp != nullptr ? N : kPanel;
-          with_row_tile(rows, [&](auto R) { panel_rows<decltype(R)::value>(xt, K, panel, out, ld, ncols, stream); });
-          for (int64_t r = 0; yp == nullptr && r < rows; ++r) {
-            const int64_t at = first_argmax(tile + r * kPanel, ncols);
-            best_value[(t + r) * P + p] = tile[r * kPanel + at];
-            best_column[(t + r) * P + p] = n0 + at;
-          }
+        float* out = yp != nullptr ? yp + r0 * N + n0 : local.data();
+        const int64_t ldo = yp != nullptr ? N : kPanel;
+        project_panel(l, xp + r0 * K, r1 - r0, n0, ncols, packed, tile, out, ldo);
+        for (int64_t r = 0; yp == nullptr && r < r1 - r0; ++r) {
+          const int64_t at = first_argmax(out + r * kPanel, ncols);
+          best_value[(r0 + r) * P + p] = out[r * kPanel + at];
+          best_column[(r0 + r) * P + p] = n0 + at;
         }
       }
-#if defined(__AVX512F__)
-      if (stream) _mm_sfence();  // the non-temporal stores are ordered before whatever reads y next
-#endif
     });
   }
-  for (int64_t t = 0; argmax != nullptr && t < T; ++t) {
+  if (argmax == nullptr) return y;
+  for (int64_t t = 0; t < T; ++t) {
     int64_t at = 0;
     for (int64_t p = 1; p < P; ++p) at = beats(best_value[t * P + p], best_value[t * P + at]) ? p : at;
     argmax[t] = best_column[t * P + at];
   }
-  return y;
-}
-
-Linear make_linear(std::vector<at::Tensor> parts, at::Tensor panels) {
-  Linear l;
-  for (const at::Tensor& p : parts) l.N += p.size(0);
-  l.K = parts.at(0).size(1);
-  l.parts = std::move(parts);
-  l.panels = std::move(panels);
-  return l;
-}
-
-// The panel kernel where the weight has panels: on the 60M benchmark model's shapes it runs at 53-57
-// GMAC/s from 64 rows up, against MKL's 26-49 (one AVX-512 core, benchmarks-style measurement through
-// the exported linear_panels); otherwise MKL, one GEMM per part into its columns of y (a GEMM writes a
-// column block of y in place, its row stride being N).
-at::Tensor apply(const Linear& l, const at::Tensor& x) {
-  if (l.panels.defined()) return linear_panels(x, l.panels, l.N);
-  if (l.parts.size() == 1) return at::linear(x, l.parts[0]);
-  at::Tensor y = at::empty({x.size(0), l.N}, x.options());
-  int64_t column = 0;
-  for (const at::Tensor& p : l.parts) {
-    at::Tensor block = y.narrow(1, column, p.size(0));
-    at::mm_out(block, x, p.t());
-    column += p.size(0);
-  }
-  return y;
+  return at::Tensor();
 }
 
 }  // namespace deltaserve

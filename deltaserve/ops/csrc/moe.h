@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -29,16 +30,17 @@ struct MoeWeights {
   std::vector<Linear> down;       // per expert [hidden, inter]: row block e of experts.down_proj
 };
 
-// One projection per expert e: row block e of the model's 3-D tensor [E, N, K] and, when panels are
-// defined, their block e of [E, ceil(N/64), K, 64].
-std::vector<Linear> expert_linears(const at::Tensor& experts, const at::Tensor& panels);
+// One projection per expert e of K inputs: row block e of the model's 3-D data [E, N, K'] and, for a quantized
+// format, of its scales [E, N, groups] (undefined otherwise), read where they are. `what` names them in errors.
+std::vector<Linear> expert_linears(const at::Tensor& experts, const at::Tensor& scales, Format format, int64_t group,
+                                   int64_t K, const std::string& what);
 
 // The routing of x's rows: expert ids and weights [T, k] as moe.py's SparseMoeBlock.route (softmax in
 // fp32 over the router logits [T, E], torch.topk's choice and order, ties included).
 std::pair<at::Tensor, at::Tensor> moe_route(const MoeDims& d, const at::Tensor& logits);
 
 // Steps of at most this many rows run their experts on separate threads, larger ones split each expert's
-// projections over the threads (its panels; its tokens are many).
+// projections over the threads (its panels of outputs; its tokens are many).
 constexpr int64_t kExpertParallelRows = 32;
 
 // The MLP's output [T, hidden] for normed input rows h [T, hidden]; adds the seconds its projections take to

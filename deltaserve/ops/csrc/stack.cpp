@@ -22,6 +22,20 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return out + "]";
 }
 
+// A weight's format by its data's dtype (formats.py's WeightFormat.data_dtype).
+Format format_of(at::ScalarType dtype, const std::string& name) {
+  switch (dtype) {
+    case at::kFloat: return Format::kFloat32;
+    case at::kBFloat16: return Format::kBFloat16;
+    case at::kFloat8_e4m3fn: return Format::kFp8;
+    case at::kChar: return Format::kInt8;
+    case at::kByte: return Format::kInt4;
+    default:
+      TORCH_CHECK(false, "FusedStack: ", name, " is ", dtype, ", not a weight format's data (float32, bfloat16, "
+                  "float8_e4m3fn for fp8, int8, uint8 for int4)");
+  }
+}
+
 // One stack's or one layer's tensors by name, each taken with the dtype and exact shape it must have (-1:
 // any size, for the caches' slot and block counts). Errors name the tensor:
 //   layer 1 linear_attn.in_proj_z.weight: expected [48, 48] got [4, 48]
@@ -48,24 +62,44 @@ class NamedTensors {
     return t;
   }
 
-  // A projection of these row blocks (name, rows) of K inputs each, with its bf16 panels when
-  // `panels_name` is there.
-  Linear projection(const std::vector<std::pair<std::string, int64_t>>& parts, int64_t K,
-                    const std::string& panels_name) {
-    std::vector<at::Tensor> weights;
-    int64_t N = 0;
-    for (const auto& [name, rows] : parts) {
-      weights.push_back(take(name, {rows, K}));
-      N += rows;
+  // Weight `name` of rows x K inputs in its stored format (the data's dtype: float32, bfloat16,
+  // float8_e4m3fn, int8, or uint8 for int4's nibbles) with, for the quantized ones, its scales `name`_scale.
+  // `lead`: leading dims (the experts' [E]).
+  std::pair<at::Tensor, at::Tensor> stored(const std::string& name, std::vector<int64_t> shape, int64_t K,
+                                           Format& format) {
+    auto it = tensors_.find(name);
+    std::vector<int64_t> full = shape;
+    full.push_back(K);
+    TORCH_CHECK(it != tensors_.end(), "FusedStack: ", where_, "missing tensor ", name, " ", shape_text(full));
+    format = format_of(it->second.scalar_type(), where_ + name);
+    full.back() = format == Format::kInt4 ? (K + 1) / 2 : K;
+    const at::Tensor data = take(name, full, it->second.scalar_type());
+    at::Tensor scale;
+    const std::string scale_name = name + "_scale";
+    if (quantized(format)) {
+      TORCH_CHECK(has(scale_name), "FusedStack: ", where_, name, " is ", format_name(format), " but ", scale_name,
+                  " is missing");
+      full.back() = -1;
+      scale = take(scale_name, full, format == Format::kFp8 ? at::kFloat : at::kBFloat16);
     }
-    at::Tensor panels;
-    if (tensors_.count(panels_name) != 0) {
-      panels = take(panels_name, {(N + kPanel - 1) / kPanel, K, kPanel}, at::kBFloat16);
-    }
-    return make_linear(std::move(weights), panels);
+    return {data, scale};
+  }
+
+  WeightPart weight(const std::string& name, int64_t rows, int64_t K, const Dims& d) {
+    Format format;
+    auto [data, scale] = stored(name, {rows}, K, format);
+    return make_part(data, scale, format, d.group(format), K, "FusedStack: " + where_ + name);
+  }
+
+  // A projection of these row blocks (name, rows) of K inputs each, each in its own format.
+  Linear projection(const std::vector<std::pair<std::string, int64_t>>& parts, int64_t K, const Dims& d) {
+    std::vector<WeightPart> weights;
+    for (const auto& [name, rows] : parts) weights.push_back(weight(name, rows, K, d));
+    return make_linear(std::move(weights));
   }
 
   bool has(const std::string& name) const { return tensors_.count(name) != 0; }
+  const std::string& where() const { return where_; }
 
   void finish() const {
     for (const auto& [name, t] : tensors_) TORCH_CHECK(false, "FusedStack: ", where_, "unexpected tensor ", name);
@@ -104,6 +138,11 @@ Dims dims_by_name(std::map<std::string, int64_t> dims, double eps) {
   d.moe.inter = take("moe_intermediate_size", true);
   d.moe.shared_inter = take("shared_expert_intermediate_size", true);
   d.moe.norm_topk = take("norm_topk_prob", true) != 0;
+  // the quantized formats' group sizes (columns per scale), where the stack has such weights
+  for (auto [name, group] : {std::pair{"fp8_group", &d.fp8_group}, {"int8_group", &d.int8_group},
+                             {"int4_group", &d.int4_group}}) {
+    if (dims.count(name) != 0) *group = take(name);
+  }
   d.conv_dim = 2 * d.hk * d.dk + d.hv * d.dv;
   d.eps = static_cast<float>(eps);
   for (const auto& [name, v] : dims) TORCH_CHECK(false, "FusedStack: unexpected dim ", name);
@@ -115,7 +154,7 @@ Dims dims_by_name(std::map<std::string, int64_t> dims, double eps) {
 }
 
 // A sparse-MoE MLP's tensors (stack.py, _add_sparse_mlp): the router and shared expert, and the experts' 3-D
-// tensors with their panels per expert.
+// tensors (expert e is row block e of each), in their formats.
 MoeWeights take_moe(NamedTensors& w, const Dims& d) {
   const MoeDims& m = d.moe;
   TORCH_CHECK(m.experts > 0 && m.top_k > 0 && m.top_k <= m.experts && m.inter > 0 && m.shared_inter > 0,
@@ -127,16 +166,14 @@ MoeWeights take_moe(NamedTensors& w, const Dims& d) {
                                     {"mlp.shared_expert.gate_proj.weight", Is},
                                     {"mlp.shared_expert.up_proj.weight", Is},
                                     {"mlp.shared_expert_gate.weight", 1}},
-                                   H, "mlp.router_shared.panels");
-  out.shared_down = w.projection({{"mlp.shared_expert.down_proj.weight", H}}, Is, "mlp.shared_expert.down_proj.panels");
+                                   H, d);
+  out.shared_down = w.projection({{"mlp.shared_expert.down_proj.weight", H}}, Is, d);
   for (auto [name, N, K] : {std::tuple{std::string("mlp.experts.gate_up_proj"), 2 * I, H},
                             std::tuple{std::string("mlp.experts.down_proj"), H, I}}) {
-    const at::Tensor experts = w.take(name, {E, N, K});
-    const std::string panels_name = name + ".panels";
-    const at::Tensor panels =
-        w.has(panels_name) ? w.take(panels_name, {E, (N + kPanel - 1) / kPanel, K, kPanel}, at::kBFloat16)
-                           : at::Tensor();
-    (N == H ? out.down : out.gate_up) = expert_linears(experts, panels);
+    Format format;
+    const auto [experts, scales] = w.stored(name, {E, N}, K, format);
+    (N == H ? out.down : out.gate_up) = expert_linears(experts, scales, format, d.group(format), K,
+                                                       "FusedStack: " + w.where() + name);
   }
   return out;
 }
@@ -169,22 +206,16 @@ FusedStack::FusedStack(std::map<std::string, int64_t> dims, double eps, std::map
               layers.size(), " layers");
   const int64_t H = d_.hidden, I = d_.intermediate, V = d_.vocab;
   NamedTensors top(std::move(head), "", held_);
-  embed_ = top.take("embed_tokens.weight", {V, H});
+  embed_ = top.weight("embed_tokens.weight", V, H, d_);
   final_scale_ = top.take("norm.scale", {H});
   inv_freq_ = top.take("rotary.inv_freq", {d_.rotary_dim / 2});
-  lm_head_ = top.projection({{"lm_head.weight", V}}, H, "lm_head.panels");
-  if (lm_head_.panels.defined()) {
-    greedy_screen_ = make_greedy_screen(lm_head_);
+  lm_head_ = top.projection({{"lm_head.weight", V}}, H, d_);
+  greedy_screen_ = make_greedy_screen(lm_head_);
 #if defined(__AVX512BF16__)  // the portable build's GreedyScreen is empty
-    if (ready(greedy_screen_)) {
-      held_.emplace_back("lm_head.screen.pairs", greedy_screen_.pairs);
-      held_.emplace_back("lm_head.screen.norms", greedy_screen_.norms);
-      held_.emplace_back("lm_head.screen.bias", greedy_screen_.bias);
-    }
+  if (ready(greedy_screen_)) held_.emplace_back("lm_head.screen.norms", greedy_screen_.norms);
 #endif
-  }
   if (mtp) {
-    fc_ = top.projection({{"fc.weight", H}}, 2 * H, "fc.panels");
+    fc_ = top.projection({{"fc.weight", H}}, 2 * H, d_);
     pre_embed_scale_ = top.take("pre_fc_norm_embedding.scale", {H});
     pre_hidden_scale_ = top.take("pre_fc_norm_hidden.scale", {H});
   }
@@ -203,21 +234,20 @@ FusedStack::FusedStack(std::map<std::string, int64_t> dims, double eps, std::map
       l.moe = take_moe(w, d_);
     } else {
       TORCH_CHECK(I > 0, "FusedStack: layer ", i, " has a dense MLP but intermediate_size is 0");
-      l.gate_up_w =
-          w.projection({{"mlp.gate_proj.weight", I}, {"mlp.up_proj.weight", I}}, H, "mlp.gate_up_proj.panels");
-      l.down_w = w.projection({{"mlp.down_proj.weight", H}}, I, "mlp.down_proj.panels");
+      l.gate_up_w = w.projection({{"mlp.gate_proj.weight", I}, {"mlp.up_proj.weight", I}}, H, d_);
+      l.down_w = w.projection({{"mlp.down_proj.weight", H}}, I, d_);
     }
     if (l.gdn) {
       l.g.in_w = w.projection({{"linear_attn.in_proj_qkv.weight", d_.conv_dim},
                                {"linear_attn.in_proj_z.weight", value_dim},
                                {"linear_attn.in_proj_b.weight", d_.hv},
                                {"linear_attn.in_proj_a.weight", d_.hv}},
-                              H, "linear_attn.in_proj.panels");
+                              H, d_);
       l.g.t.conv_w = w.take("linear_attn.conv1d.weight", {d_.conv_dim, d_.kernel});
       l.g.t.neg_a = w.take("linear_attn.neg_a", {d_.hv});
       l.g.t.dt_bias = w.take("linear_attn.dt_bias", {d_.hv});
       l.g.t.norm_w = w.take("linear_attn.norm.weight", {d_.dv});
-      l.g.out_w = w.projection({{"linear_attn.out_proj.weight", H}}, value_dim, "linear_attn.out_proj.panels");
+      l.g.out_w = w.projection({{"linear_attn.out_proj.weight", H}}, value_dim, d_);
       l.g.t.conv_cache = w.take("conv_cache", {num_slots_, d_.conv_dim, d_.kernel - 1});
       l.g.t.ssm_cache = w.take("ssm_cache", {num_slots_, d_.hv, d_.dk, d_.dv});
       num_slots_ = l.g.t.conv_cache.size(0);  // every GDN layer's caches have this many slots
@@ -225,15 +255,11 @@ FusedStack::FusedStack(std::map<std::string, int64_t> dims, double eps, std::map
       l.a.qkv_w = w.projection({{"self_attn.q_proj.weight", q_width},
                                 {"self_attn.k_proj.weight", kv_rows},
                                 {"self_attn.v_proj.weight", kv_rows}},
-                               H, "self_attn.qkv_proj.panels");
-      if (l.a.qkv_w.panels.defined() && q_width % kPanel == 0) {  // k | v alone: the q panels end there
-        const at::Tensor& panels = l.a.qkv_w.panels;
-        l.a.kv_w = make_linear({l.a.qkv_w.parts[1], l.a.qkv_w.parts[2]},
-                               panels.narrow(0, q_width / kPanel, panels.size(0) - q_width / kPanel));
-      }
+                               H, d_);
+      l.a.kv_w = make_linear({l.a.qkv_w.parts[1], l.a.qkv_w.parts[2]});  // k | v alone, the same tensors
       l.a.q_scale = w.take("self_attn.q_norm.scale", {d_.hd});
       l.a.k_scale = w.take("self_attn.k_norm.scale", {d_.hd});
-      l.a.o_w = w.projection({{"self_attn.o_proj.weight", H}}, d_.nh * d_.hd, "self_attn.o_proj.panels");
+      l.a.o_w = w.projection({{"self_attn.o_proj.weight", H}}, d_.nh * d_.hd, d_);
       l.a.kv = take_kv_cache(w, num_blocks_, num_blocks_ < 0 ? -1 : block_size_, d_, i);
       num_blocks_ = l.a.kv.v.size(0), block_size_ = l.a.kv.v.size(1);  // and every attention layer's these
     }
@@ -328,19 +354,22 @@ void FusedStack::set_all_reduce(std::function<void(at::Tensor&)> all_reduce, int
 }
 
 at::Tensor FusedStack::embed(const at::Tensor& input_ids) const {
-  if (!all_reduce_) return embed_.index_select(0, input_ids);
-  // Vocab-parallel: this rank's rows, zeros for the ids another rank holds; the all-reduce adds the one
-  // rank's row each id has (x + 0 = x exactly), as VocabParallelEmbedding does.
-  const int64_t T = input_ids.size(0), H = d_.hidden, V = embed_.size(0);
-  at::Tensor x = at::zeros({T, H}, embed_.options());
+  // Each id's row widened from the embedding's format (a tied quantized lm_head's rows and scales, for one).
+  // Vocab-parallel (all_reduce_ set): this rank's rows, zeros for the ids another rank holds; the all-reduce
+  // adds the one rank's row each id has (x + 0 = x exactly), as VocabParallelEmbedding does.
+  const int64_t T = input_ids.size(0), H = d_.hidden, V = embed_.rows;
+  at::Tensor x = at::zeros({T, H}, input_ids.options().dtype(at::kFloat));
   const int64_t* ip = input_ids.data_ptr<int64_t>();
-  const float* ep = embed_.data_ptr<float>();
+  const uint8_t* data = static_cast<const uint8_t*>(embed_.data.data_ptr());
+  const void* scales = embed_.scale.defined() ? embed_.scale.data_ptr() : nullptr;
   float* xp = x.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     const int64_t row = ip[t] - vocab_start_;
-    if (row >= 0 && row < V) std::memcpy(xp + t * H, ep + row * H, H * sizeof(float));
+    if (!all_reduce_) TORCH_CHECK(row >= 0 && row < V, "FusedStack: token id ", ip[t], " is out of the vocabulary");
+    if (row < 0 || row >= V) continue;
+    for (int64_t k = 0; k < H; k += 16) widen_scalar(embed_, data, scales, row, k, std::min<int64_t>(16, H - k), xp + t * H + k);
   }
-  reduce(x);
+  if (all_reduce_) reduce(x);
   return x;
 }
 
@@ -354,19 +383,12 @@ at::Tensor FusedStack::greedy_tokens(const at::Tensor& hidden) {
   const at::Tensor h = hidden.contiguous();
   at::Tensor out = at::empty({h.size(0)}, h.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
-  if (lm_head_.panels.defined()) {
-    Timed timed(slot(kProjections));
-    if (greedy_screen_on() && h.size(0) >= kMinScreenedRows) {
-      screened_greedy(h, greedy_screen_, lm_head_, op);
-    } else {
-      linear_panels(h, lm_head_.panels, lm_head_.N, op);
-    }
-    return out;
+  Timed timed(slot(kProjections));
+  if (greedy_screen_on() && h.size(0) >= kMinScreenedRows) {
+    screened_greedy(h, greedy_screen_, lm_head_, op);
+  } else {
+    apply(lm_head_, h, op);
   }
-  const at::Tensor scores = logits(h);
-  const int64_t R = scores.size(0), V = scores.size(1);
-  const float* sp = scores.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r) op[r] = first_argmax(sp + r * V, V);
   return out;
 }
 

@@ -1,8 +1,9 @@
 // The layer stack: the whole forward of the trunk (or of the MTP head) for one engine step in one C++ call.
-// Projections go to linear.h (MKL, or the bf16 panel kernel); everything between them is one loop nest per
-// token and head (gdn.h, attention.h, norms.h) instead of a few hundred small torch ops. Same maths as
-// deltaserve/model/*.py, which stays the reference (tests/test_fused_step.py holds the two together).
-// fp32 weights, activations and state caches; the KV cache fp32 or fp8 (attention.h, KVCache).
+// Projections go to linear.h (the model's stored weights in their formats, widened in registers); everything
+// between them is one loop nest per token and head (gdn.h, attention.h, norms.h) instead of a few hundred
+// small torch ops. Same maths as deltaserve/model/*.py, which stays the reference (tests/test_fused_step.py
+// holds the two together). Weights in any format of formats.h; fp32 activations and state caches; the KV
+// cache fp32 or fp8 (attention.h, KVCache).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -32,7 +33,12 @@ struct Dims {
   int64_t hk, hv, dk, dv, conv_dim, kernel;  // Gated DeltaNet
   int64_t nh, nkv, hd, rotary_dim;           // attention
   MoeDims moe;                               // sparse MLPs (0 experts in a dense model)
+  int64_t fp8_group = 0, int8_group = 0, int4_group = 0;  // columns per scale (0: no such weights)
   float eps;
+
+  int64_t group(Format f) const {
+    return f == Format::kFp8 ? fp8_group : f == Format::kInt8 ? int8_group : f == Format::kInt4 ? int4_group : 0;
+  }
 
   GdnDims gdn() const { return {hk, hv, dk, dv, conv_dim, kernel, eps}; }
   AttentionDims attention() const { return {nh, nkv, hd, rotary_dim, eps}; }
@@ -46,7 +52,7 @@ struct GdnWeights {
 
 struct AttnWeights {
   Linear qkv_w;                 // [2*nh*hd + 2*nkv*hd, hidden]: rows of q_proj | k_proj | v_proj
-  Linear kv_w;                  // its k_proj | v_proj rows alone, when its panels split there (else empty)
+  Linear kv_w;                  // its k_proj | v_proj parts alone
   at::Tensor q_scale, k_scale;  // [hd] = 1 + q_norm / k_norm weight
   Linear o_w;                   // [hidden, nh*hd]
   KVCache kv;                   // the layer's paged K/V (fp32, or fp8 with row scales: attention.h)
@@ -67,17 +73,19 @@ struct Layer {
 // MTP head (input: fc(cat[norm(embedding of token t+1), norm(trunk hidden at t)])).
 class FusedStack {
  public:
-  // dims: the config's sizes by name (hidden_size, ..., rotary_dim); head: the stack's own tensors by name
-  // (embed_tokens.weight, norm.scale, rotary.inv_freq, lm_head.weight [+ .panels], and for the MTP head
-  // fc.weight [+ .panels], pre_fc_norm_embedding.scale, pre_fc_norm_hidden.scale); layers: each layer's
-  // tensors by name (deltaserve/executor/fused_cpu/stack.py, _layer_weights), its type in layer_types. Every
-  // tensor is checked against the shape the dims give it; errors name it. The tensors are used where they
-  // are, not copied: the model's own weights, the cache's own tensors.
+  // dims: the config's sizes by name (hidden_size, ..., rotary_dim; fp8_group, int8_group, int4_group where
+  // the stack has weights in those formats); head: the stack's own tensors by name (embed_tokens.weight,
+  // norm.scale, rotary.inv_freq, lm_head.weight, and for the MTP head fc.weight, pre_fc_norm_embedding.scale,
+  // pre_fc_norm_hidden.scale); layers: each layer's tensors by name (deltaserve/executor/fused_cpu/stack.py,
+  // _layer_weights), its type in layer_types. A weight P.weight is in the format its dtype names
+  // (formats.h), with its scales P.weight_scale when quantized (the experts' 3-D tensors: P and P_scale).
+  // Every tensor is checked against the shape the dims give it; errors name it. The tensors are used where
+  // they are, not copied: the model's own weights, the cache's own tensors.
   FusedStack(std::map<std::string, int64_t> dims, double eps, std::map<std::string, at::Tensor> head,
              const std::vector<std::string>& layer_types, std::vector<std::map<std::string, at::Tensor>> layers,
              bool mtp);
 
-  // Every tensor the stack holds, by name ("layer 3 mlp.gate_proj.weight", "lm_head.screen.pairs"): to
+  // Every tensor the stack holds, by name ("layer 3 mlp.gate_proj.weight", "lm_head.screen.norms"): to
   // account for its memory.
   const std::vector<std::pair<std::string, at::Tensor>>& named_tensors() const { return held_; }
 
@@ -94,7 +102,7 @@ class FusedStack {
   at::Tensor logits(const at::Tensor& hidden);
 
   // The greedy token of each row, torch.argmax of its logits, without handing the [R, vocab] logits back
-  // (with bf16 panels, without writing them at all).
+  // (without writing them at all: the projection's argmax, or the greedy screen).
   at::Tensor greedy_tokens(const at::Tensor& hidden);
 
   // After a verify step: verify segment r keeps in its GDN slot slots[r] the conv and recurrent states after
@@ -105,7 +113,7 @@ class FusedStack {
                        const at::Tensor& slots, const at::Tensor& pick);
 
   // Whether greedy_tokens screens with bf16 dot products (see screened_greedy): the CPU has AVX512-BF16,
-  // the lm_head is bf16-valued and finite, and set_greedy_screen has not turned it off (for measurements).
+  // the lm_head is stored in bf16 and finite, and set_greedy_screen has not turned it off (for measurements).
   bool greedy_screen_on() const { return use_greedy_screen_ && ready(greedy_screen_); }
   void set_greedy_screen(bool on) { use_greedy_screen_ = on; }
 
@@ -145,7 +153,8 @@ class FusedStack {
   int64_t num_slots_ = -1, num_blocks_ = -1, block_size_ = 1;
   bool profiling_ = false;
   std::array<double, kParts> spent_{};
-  at::Tensor embed_, final_scale_, inv_freq_;
+  WeightPart embed_;  // [vocab, hidden] in its format
+  at::Tensor final_scale_, inv_freq_;
   Linear lm_head_;
   GreedyScreen greedy_screen_;
   bool use_greedy_screen_ = true;

@@ -1,0 +1,163 @@
+// The weight formats of deltaserve/ops/formats.py as the kernels read them: a projection's weight rows stay
+// in their stored bytes (row-major along K, as checkpoints are) and 16 values at a time are widened to fp32
+// in registers, each times its group's scale: exactly the numbers formats.dequantize gives (every stored
+// value is exact in fp32, and value x scale is one fp32 multiply in both), so a kernel differs from
+// dequantize(...) @ x only in the order of its sums.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace deltaserve {
+
+enum class Format { kFloat32, kBFloat16, kFp8, kInt8, kInt4 };
+
+// One block of a projection's rows in one format: data [rows, K] (int4: [rows, ceil(K/2)] bytes) and, for
+// the quantized formats, scales [rows, ceil(K/group)] (fp8: fp32; int8, int4: bf16). Read where they are.
+struct WeightPart {
+  at::Tensor data, scale;  // scale undefined unless quantized
+  Format format = Format::kFloat32;
+  int64_t rows = 0, K = 0, group = 0;
+  int64_t row_bytes = 0;  // bytes from one row of data to the next
+  int64_t groups = 0;     // scales per row
+};
+
+constexpr bool quantized(Format f) { return f == Format::kFp8 || f == Format::kInt8 || f == Format::kInt4; }
+
+// The format by the name formats.py gives it ("float32", "bfloat16", "fp8", "int8", "int4").
+Format format_named(const std::string& name);
+const char* format_name(Format f);
+
+// A part of K inputs from its tensors, checked (dtype, shape, contiguity, group); `what` names it in errors.
+WeightPart make_part(const at::Tensor& data, const at::Tensor& scale, Format format, int64_t group, int64_t K,
+                     const std::string& what);
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Every E4M3 byte's value (the portable path's widening; c10's conversion, the one torch's .float() uses).
+inline const std::array<float, 256>& fp8_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table;
+}
+
+// Scale number `at` of a quantized part (row r's group g: at = r * groups + g), in fp32.
+inline float scale_by_index(const WeightPart& p, const void* scales, int64_t at) {
+  return p.format == Format::kFp8 ? static_cast<const float*>(scales)[at]
+                                  : bf16_to_float(static_cast<const uint16_t*>(scales)[at]);
+}
+
+// The scale of row `row`, column k of a quantized part, in fp32.
+inline float scale_at(const WeightPart& p, const void* scales, int64_t row, int64_t k) {
+  // (lanes past K: any scale, their value is 0)
+  return scale_by_index(p, scales, row * p.groups + std::min(k, p.K - 1) / p.group);
+}
+
+// w[row, k0 .. k0 + n) of part p in fp32 (n <= 16), times their scales: the portable widening (and the
+// reference shape of the AVX-512 one below).
+inline void widen_scalar(const WeightPart& p, const uint8_t* data, const void* scales, int64_t row, int64_t k0,
+                         int64_t n, float* out) {
+  const uint8_t* r = data + row * p.row_bytes;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k = k0 + i;
+    float v = 0.0f;
+    switch (p.format) {
+      case Format::kFloat32: std::memcpy(&v, r + 4 * k, 4); break;
+      case Format::kBFloat16: {
+        uint16_t h;
+        std::memcpy(&h, r + 2 * k, 2);
+        v = bf16_to_float(h);
+        break;
+      }
+      case Format::kFp8: v = fp8_values()[r[k]]; break;
+      case Format::kInt8: v = static_cast<float>(static_cast<int8_t>(r[k])); break;
+      case Format::kInt4: v = static_cast<float>(((r[k / 2] >> (4 * (k % 2))) & 0x0F) - 8); break;
+    }
+    out[i] = quantized(p.format) ? v * scale_at(p, scales, row, k) : v;
+  }
+}
+
+#if defined(__AVX512F__)
+// The 16 scales of columns k0 .. k0 + 16 of a row: one broadcast when a group holds all 16 (group a multiple
+// of 16, k0 one too), else lane by lane.
+inline __m512 scales16(const WeightPart& p, const void* scales, int64_t row, int64_t k0) {
+  if (p.group % 16 == 0) return _mm512_set1_ps(scale_at(p, scales, row, k0));
+  alignas(64) float s[16];
+  for (int i = 0; i < 16; ++i) s[i] = scale_at(p, scales, row, k0 + i);
+  return _mm512_load_ps(s);
+}
+
+// The scales of columns k0 .. k0 + 16 of a row whose group holds all 16 (group a multiple of 16): g = k0 / group,
+// counted by the caller (a division per 16 values would cost more than the widening).
+inline __m512 group_scale(const WeightPart& p, const void* scales, int64_t row, int64_t g) {
+  return _mm512_set1_ps(scale_by_index(p, scales, row * p.groups + g));
+}
+
+// w[row, k0 .. k0 + 16) in fp32 (k0 a multiple of 16; lanes at or past K, under `valid`'s zero bits, are 0):
+// the stored values widened in registers, times their scales `scale` (quantized formats; group_scale or
+// scales16).
+template <Format F>
+inline __m512 widen16(const uint8_t* row_data, int64_t k0, __mmask16 valid, __m512 scale) {
+  (void)scale;  // (unquantized formats)
+  if constexpr (F == Format::kFloat32) {
+    return _mm512_maskz_loadu_ps(valid, reinterpret_cast<const float*>(row_data) + k0);
+  } else if constexpr (F == Format::kBFloat16) {
+    const __m256i h = _mm256_maskz_loadu_epi16(valid, reinterpret_cast<const uint16_t*>(row_data) + k0);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else if constexpr (F == Format::kInt8) {
+    const __m128i q = _mm_maskz_loadu_epi8(valid, row_data + k0);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale);
+  } else if constexpr (F == Format::kInt4) {
+    // 8 bytes, two columns each: byte j -> lanes 2j (low nibble) and 2j + 1 (high nibble)
+    const __mmask16 bytes = static_cast<__mmask16>((1u << ((__builtin_popcount(valid) + 1) / 2)) - 1);
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_maskz_loadu_epi8(bytes, row_data + k0 / 2));
+    const __m256i pairs = _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)),
+                                          _mm256_slli_epi32(_mm256_srli_epi32(b, 4), 16));
+    const __m512i q = _mm512_sub_epi32(_mm512_cvtepu16_epi32(pairs), _mm512_set1_epi32(8));
+    return _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(valid, q), scale);
+  } else {  // fp8 E4M3: s eeee mmm -> the fp16 s 0eeee mmm0000000 is the value / 2^8 (subnormals included)
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(valid, row_data + k0));
+    const __m256i magnitude = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
+    const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                         _mm256_slli_epi16(magnitude, 7));
+    const __m512 v = _mm512_cvtph_ps(half);  // exact
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(magnitude, _mm256_set1_epi16(0x7F));  // E4M3FN's only NaN
+    // times (scale x 2^8): the same one rounding as value x scale (2^8 is exact; no overflow at these scales)
+    const __m512 w = _mm512_mul_ps(v, _mm512_mul_ps(scale, _mm512_set1_ps(256.0f)));
+    return _mm512_mask_mov_ps(w, nan, _mm512_set1_ps(NAN));
+  }
+}
+#endif
+
+// Calls f(std::integral_constant<Format, F>{}) with the part's format known at compile time.
+template <typename Fn>
+inline void with_format(Format f, Fn&& fn) {
+  switch (f) {
+    case Format::kFloat32: fn(std::integral_constant<Format, Format::kFloat32>{}); break;
+    case Format::kBFloat16: fn(std::integral_constant<Format, Format::kBFloat16>{}); break;
+    case Format::kFp8: fn(std::integral_constant<Format, Format::kFp8>{}); break;
+    case Format::kInt8: fn(std::integral_constant<Format, Format::kInt8>{}); break;
+    case Format::kInt4: fn(std::integral_constant<Format, Format::kInt4>{}); break;
+  }
+}
+
+}  // namespace deltaserve
