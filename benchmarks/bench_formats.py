@@ -57,9 +57,10 @@ SECTION = "## Weight formats at the 0.8B shape"
 DEMO_TOKENIZER_DIR = ROOT / "deltaserve" / "assets" / "demo"
 
 FORMATS = ("bf16", "fp8", "int8", "int4")
-# Bytes per weight of each deltaserve format, scales included: fp8 E4M3 with one fp32 scale per 128x128
-# block; int8 / int4 group-wise with one 2-byte scale per group of 32 (the default group size of issue 23).
-BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1 + 4 / (128 * 128), "int8": 1 + 2 / 32, "int4": 0.5 + 2 / 32}
+# Bytes per weight of each deltaserve format, scales included (deltaserve/ops/formats.py): fp8 E4M3 with one
+# fp32 scale per row and 128 columns (a 128x128 block's scale, kept with each of its rows);
+# int8 / int4 group-wise with one bf16 scale per group of 32 (the default group size).
+BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1 + 4 / 128, "int8": 1 + 2 / 32, "int4": 0.5 + 2 / 32}
 # The llama.cpp file at the same bytes per weight as each deltaserve format (fp8 has none).
 LLAMA_PEER = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_K_M"}
 LLAMA_FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}

@@ -33,18 +33,20 @@ MAX_LEN, SEQS, BLOCK = 96, 4, 16
 PROMPTS = [list(range(3, 26)), [5, 9, 2, 7, 7, 1, 4, 8, 3, 6, 11], [17, 3, 40]]  # 23 tokens: chunked by 16
 
 
-def make_engine(path: Path, tp: int, k: int = 0, eager: bool = False, kv: str = "auto") -> LLMEngine:
+def make_engine(path: Path, tp: int, k: int = 0, eager: bool = False, kv: str = "auto", **weights) -> LLMEngine:
+    """weights: EngineConfig's weight options (quantization, quantization_group_size)."""
     spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": False} if k else None
     return LLMEngine(EngineConfig(
         model=str(path), tensor_parallel_size=tp, enforce_eager=eager, max_num_seqs=SEQS, max_model_len=MAX_LEN,
         num_kv_blocks=SEQS * (MAX_LEN // BLOCK), block_size=BLOCK, max_num_batched_tokens=16,
-        speculative_config=spec, kv_cache_dtype=kv,
+        speculative_config=spec, kv_cache_dtype=kv, **weights,
     ))
 
 
 @contextlib.contextmanager
-def engines(path: Path, k: int = 0, eager: bool = False, kv: str = "auto") -> Iterator[tuple[LLMEngine, LLMEngine]]:
-    one, two = make_engine(path, 1, k, eager, kv), make_engine(path, 2, k, eager, kv)
+def engines(path: Path, k: int = 0, eager: bool = False, kv: str = "auto",
+            **weights) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    one, two = make_engine(path, 1, k, eager, kv, **weights), make_engine(path, 2, k, eager, kv, **weights)
     try:
         name = "torch" if eager else "fused-cpu"
         assert (one.executor.name, two.executor.name) == (name, f"{name}-tp")
@@ -114,6 +116,18 @@ def test_fp8_kv_cache_on_every_rank(tmp_path: Path) -> None:
     with engines(path, kv="fp8") as (one, two):
         assert all(k.dtype == torch.float8_e4m3fn for pair in two.cache_tensors.kv.values() for k in pair)
         assert two.cache_tensors.kv_scales
+        assert greedy(two) == greedy(one)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_on_every_rank(tmp_path: Path, quantization: str) -> None:
+    """Each rank quantizes its own part of every projection as it loads. With groups of 8 columns, which every
+    rank's slice of a row-parallel projection holds whole (TINY: 40 MLP, 32 attention, 24 GDN columns per
+    rank), the ranks store exactly the one-process model's values, so their logits and tokens are its own."""
+    path = save_official_layout(random_hf_model(TINY, seed=4), tmp_path, random_mtp_tensors(TINY, seed=5))
+    with engines(path, k=2, quantization=quantization, quantization_group_size=8) as (one, two):
+        assert two.model.model.layers[0].mlp.down_proj.fmt.name == quantization
+        assert_logits_close(logits_of_steps(one, mtp=True), logits_of_steps(two, mtp=True))
         assert greedy(two) == greedy(one)
 
 
