@@ -112,7 +112,8 @@ def test_missing_unexpected_and_misnamed_inputs_are_errors(tiny) -> None:
     text = tiny.model
     dims = {name: getattr(cfg, name) for name in DIMS}
     head = {"embed_tokens.weight": text.embed_tokens.weight.detach(), "norm.scale": text.norm.weight.detach() + 1,
-            "rotary.inv_freq": text.rotary.inv_freq, "lm_head.weight": tiny.lm_head.weight.detach()}
+            "rotary.inv_freq": text.rotary.inv_freq, "rotary.axis": text.rotary.axis,
+            "lm_head.weight": tiny.lm_head.weight.detach()}
     types = [layer.layer_type for layer in text.layers]
     with torch.no_grad():
         layers = [_layer_weights(layer, cache) for layer in text.layers]
@@ -127,6 +128,8 @@ def test_missing_unexpected_and_misnamed_inputs_are_errors(tiny) -> None:
         build(dims=dims | {"head_size": 16})
     with pytest.raises(RuntimeError, match=r"missing tensor lm_head.weight \[96, 48\]"):
         build(head={k: v for k, v in head.items() if k != "lm_head.weight"})
+    with pytest.raises(RuntimeError, match=r"rotary.axis\[0\] = 3, not a position row"):
+        build(head=head | {"rotary.axis": torch.full_like(text.rotary.axis, 3)})
     with pytest.raises(RuntimeError, match="unexpected tensor fc.weight"):
         build(head=head | {"fc.weight": torch.zeros(48, 96)})
     with pytest.raises(RuntimeError, match="layer 2 unexpected tensor mlp.gate_proj.bias"):

@@ -105,8 +105,8 @@ def test_positions_embeddings_and_prompt_logits_match_transformers(hf, ckpt):
 
 def test_greedy_tokens_match_transformers(hf, ckpt):
     ref = hf_greedy(hf, PROMPT, PICTURES, GREEDY.max_tokens)
-    llm = LLM(str(ckpt))  # the factory picks the torch executor for a model with a vision tower
-    assert llm.engine.executor.name == "torch"
+    llm = LLM(str(ckpt))  # the fused step, the tower in torch (tests/test_vision_fused.py checks it against torch)
+    assert llm.engine.executor.name == "fused-cpu"
     assert run(llm, [(PROMPT, PICTURES)]) == [ref]
 
 

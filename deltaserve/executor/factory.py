@@ -26,11 +26,6 @@ def make_executor(
     if enforce_eager:
         log.info("executor%s: torch (enforce_eager)", rank)
         return TorchExecutor(model, cache)
-    if model.visual is not None:
-        # The fused C++ step takes 1-D positions and token ids, not mRoPE [3, T] positions and visual rows.
-        log.info("executor%s: torch, since the model has a vision tower (the fused step runs text-only models)",
-                 rank)
-        return TorchExecutor(model, cache)
     reason = supported(model, cache)
     if reason is not None:
         log.info("executor%s: torch, since %s (the fused step takes weights in any stored format, float32 "

@@ -74,24 +74,31 @@ def store(module: StoredWeights, fmt: WeightFormat, device: torch.device | str =
 
 
 class Linear(StoredWeights):
-    """y = x @ w^T without bias (every projection of these models), w [out_features, in_features] stored in
-    a weight format and dequantized to x's dtype for the call."""
+    """y = x @ w^T (+ bias), w [out_features, in_features] stored in a weight format and dequantized to x's
+    dtype for the call. The text model's projections have no bias; the vision tower's have one, which is not
+    a stored weight: the loader keeps it in the activation dtype, as it does the norms."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # nn.Linear's initialisation
         self.register_parameter("weight_scale", None)
+        self.register_parameter("bias", None)
+        if bias:
+            bound = 1 / in_features**0.5
+            self.bias = nn.Parameter(torch.empty(out_features).uniform_(-bound, bound))
 
     def logical_shape(self, name: str = "weight") -> tuple[int, int]:
         return self.out_features, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight_values("weight", x.dtype))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight_values("weight", x.dtype), bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"format={self.fmt.name}")
 
 
 class Embedding(StoredWeights):

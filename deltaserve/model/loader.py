@@ -208,12 +208,17 @@ def _materialize(model: torch.nn.Module, cfg: ModelConfig, policy: WeightPolicy,
         raise RuntimeError(f"the loader left {', '.join(left[:3])} on the meta device")
 
 
+def _is_stored_weight(module: torch.nn.Module, attr: str) -> bool:
+    """Whether module.attr is a stored weight (in a weight format), not a plain parameter such as a bias."""
+    return isinstance(module, StoredWeights) and attr in module.WEIGHTS
+
+
 def _fill(dest: torch.nn.Module, attr: str, t: Target, piece: torch.Tensor, fp8_scale: torch.Tensor | None,
           block: list[int], name: str) -> None:
     """Write one checkpoint piece (fp8 with its block scales, or plain values) into its part of a parameter,
     converted to that parameter's format."""
     param = getattr(dest, attr)
-    if not isinstance(dest, StoredWeights):
+    if not _is_stored_weight(dest, attr):
         values = piece if fp8_scale is None else dequantize_fp8(piece, fp8_scale, block)
         _copy(view(param, t), values, name, t)
         return
@@ -321,7 +326,9 @@ def load_model(
 
     stored: dict[str, WeightFormat] = {}  # module name -> the format its checkpoint tensors are in
     for name, found in wanted.items():
-        module_name = _owner(model, found[0].param)[0]
+        module_name, module, attr = _owner(model, found[0].param)
+        if not _is_stored_weight(module, attr):
+            continue  # a Linear's bias: kept in the activation dtype, as the norms are
         if cfg.tie_word_embeddings and module_name == "model.embed_tokens":
             module_name = "lm_head"  # one tensor for both: the head's format decides
         stored.setdefault(module_name, _stored_format(_open(names[name]), name, block))

@@ -1,6 +1,8 @@
 """The Qwen3.5 vision tower: patches of [temporal 2, 16, 16] pixels -> vision blocks with 2-D rotary -> the
 2x2 spatial merger projecting to the text width. Parameter names and shapes are the official ones under
-`model.visual.*` (transformers' Qwen3_5VisionModel), so the loader copies them one to one.
+`model.visual.*` (transformers' Qwen3_5VisionModel), so the loader copies them one to one. The projections
+(attention qkv / proj, MLP and merger fc1 / fc2) are model/linear.py's Linear with a bias: their weights are
+stored once in the checkpoint's format (or --quantization's), like the text model's.
 
 Patches arrive in the processor's order: per image, per frame, 2x2 merge blocks in raster order and the
 four patches of a block together (deltaserve/engine/image_processor.py). Every row group of
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import VisionConfig
+from deltaserve.model.linear import Linear
 
 ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -43,8 +46,8 @@ class VisionAttention(nn.Module):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.head_dim = cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.qkv = Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.proj = Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]) -> torch.Tensor:
         """x [N, hidden]; each of `segments` (one frame of one image) attends within itself, unmasked."""
@@ -70,8 +73,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
-        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        self.linear_fc1 = Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.linear_fc2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,8 +101,8 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.merged = cfg.hidden_size * cfg.spatial_merge_size**2
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.merged, self.merged, bias=True)
-        self.linear_fc2 = nn.Linear(self.merged, cfg.out_hidden_size, bias=True)
+        self.linear_fc1 = Linear(self.merged, self.merged, bias=True)
+        self.linear_fc2 = Linear(self.merged, cfg.out_hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x).view(-1, self.merged)

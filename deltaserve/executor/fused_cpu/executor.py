@@ -20,6 +20,7 @@ class FusedCPUExecutor(Executor):
     def __init__(self, model: Qwen3_5ForCausalLM, cache: CacheTensors, with_mtp: bool = False) -> None:
         """with_mtp: build the MTP head's C++ stack too (speculative decoding drafts with it)."""
         self.trunk = FusedTrunk(model, cache)
+        self._model = model  # its vision tower (if any) runs in torch: once per image, not once per step
         self.shard = model.shard  # tensor parallelism: the stacks all-reduce in it; logits are gathered here
         self.vocab_size = model.config.vocab_size
         self._mtp = None
@@ -52,6 +53,9 @@ class FusedCPUExecutor(Executor):
         if self._mtp is None:
             raise ValueError("this executor was built without the MTP head (with_mtp=False)")
         return self._mtp(next_token_ids, hidden, ctx, step=step)
+
+    def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        return self._model.encode_images(pixels, grids)
 
     def commit_verified(self, ctx: ForwardContext, accepted: list[int]) -> None:
         self.trunk.commit_verified(ctx, accepted)

@@ -204,7 +204,8 @@ class _FusedStack:
         ext = ext or load_extension()
         cfg = model.rank_config  # this rank's heads and MLP width (the whole model's with one rank)
         with torch.no_grad():
-            head["rotary.inv_freq"] = model.model.rotary.inv_freq.contiguous()
+            rotary = model.model.rotary  # the mRoPE position row of each frequency too (all 0 for text)
+            head["rotary.inv_freq"], head["rotary.axis"] = rotary.inv_freq.contiguous(), rotary.axis.contiguous()
             weights = [_layer_weights(layer, cache) for layer in layers]
         for w in weights:
             head.merge(w)
@@ -239,16 +240,18 @@ class _FusedStack:
 
     def _run(
         self, input_ids: torch.Tensor, ctx: ForwardContext, hidden_in: torch.Tensor,
-        output_rows: torch.Tensor | None = None,
+        output_rows: torch.Tensor | None = None, mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """mm_embeds: (rows, embeddings) that replace those rows' token embeddings (ForwardContext.mm_embeds)."""
+        mm_rows, mm_values = (None, None) if mm_embeds is None else (mm_embeds[0], mm_embeds[1].float().contiguous())
         spec_index = torch.full((ctx.num_seqs,), -1, dtype=torch.long)
         if ctx.spec_seqs:
             spec_index[ctx.spec_seqs] = torch.arange(len(ctx.spec_seqs))
         width = max((ctx.query_lens[b] for b in ctx.spec_seqs), default=0)
         hidden, conv_states, ssm_states = self._impl.forward(
-            input_ids, ctx.positions, torch.tensor(ctx.query_start_loc, dtype=torch.long),
+            input_ids, ctx.positions.contiguous(), torch.tensor(ctx.query_start_loc, dtype=torch.long),
             torch.tensor(ctx.context_lens, dtype=torch.long), ctx.block_tables, ctx.slot_mapping,
-            ctx.state_slots, spec_index, len(ctx.spec_seqs), width, hidden_in, output_rows,
+            ctx.state_slots, spec_index, len(ctx.spec_seqs), width, hidden_in, output_rows, mm_rows, mm_values,
         )
         for layer_id, conv, ssm in zip(self.gdn_layer_ids, conv_states, ssm_states):
             ctx.spec_states[layer_id] = (conv, ssm)
@@ -307,8 +310,9 @@ class FusedTrunk(_FusedStack):
 
         With output_rows (int64 [R], ascending), only those rows come back, [R, H]: the last layer still
         caches every token's K/V or GDN state but skips the rest of its work for the others (for a prompt
-        chunk, all but its last token), which nothing downstream reads."""
-        return self._run(input_ids, ctx, _NO_HIDDEN, output_rows)
+        chunk, all but its last token), which nothing downstream reads. ctx.positions may be [3, T] mRoPE
+        positions, and ctx.mm_embeds' visual tokens replace their placeholders' embeddings, as in TextModel."""
+        return self._run(input_ids, ctx, _NO_HIDDEN, output_rows, ctx.mm_embeds)
 
 
 class FusedMTP(_FusedStack):

@@ -8,6 +8,7 @@
 
 #include "norms.h"
 #include "parallel.h"
+#include "rope.h"
 #include "simd.h"
 
 namespace deltaserve {
@@ -209,6 +210,11 @@ FusedStack::FusedStack(std::map<std::string, int64_t> dims, double eps, std::map
   embed_ = top.weight("embed_tokens.weight", V, H, d_);
   final_scale_ = top.take("norm.scale", {H});
   inv_freq_ = top.take("rotary.inv_freq", {d_.rotary_dim / 2});
+  rotary_axis_ = top.take("rotary.axis", {d_.rotary_dim / 2}, at::kLong);
+  for (int64_t f = 0; f < d_.rotary_dim / 2; ++f) {
+    const int64_t a = rotary_axis_.data_ptr<int64_t>()[f];
+    TORCH_CHECK(a >= 0 && a < 3, "FusedStack: rotary.axis[", f, "] = ", a, ", not a position row 0, 1 or 2");
+  }
   lm_head_ = top.projection({{"lm_head.weight", V}}, H, d_);
   greedy_screen_ = make_greedy_screen(lm_head_);
 #if defined(__AVX512BF16__)  // the portable build's GreedyScreen is empty
@@ -272,10 +278,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> FusedSt
     const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& qsl,
     const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& slot_mapping,
     const at::Tensor& state_slots, const at::Tensor& spec_index, int64_t spec_rows, int64_t spec_width,
-    const at::Tensor& hidden_in, const std::optional<at::Tensor>& output_rows) {
+    const at::Tensor& hidden_in, const std::optional<at::Tensor>& output_rows,
+    const std::optional<at::Tensor>& mm_rows, const std::optional<at::Tensor>& mm_embeds) {
   TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() && input_ids.dim() == 1,
               "FusedStack: index tensors are int64");
-  const Batch bt = make_batch(input_ids.size(0), positions, qsl, context_lens, block_tables, slot_mapping,
+  Timed whole(slot(kForward));
+  const StepRope rope = step_rope(positions, input_ids.size(0), qsl, context_lens, inv_freq_.data_ptr<float>(),
+                                  rotary_axis_.data_ptr<int64_t>(), d_.rotary_dim / 2);
+  const Batch bt = make_batch(input_ids.size(0), rope.index, qsl, context_lens, block_tables, slot_mapping,
                               state_slots, spec_index, spec_rows, spec_width);
   check_batch(bt, num_slots_, num_blocks_, block_size_);
   const bool select = output_rows.has_value() && output_rows->numel() < bt.T;
@@ -292,13 +302,11 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> FusedSt
       out.wanted[rp[r]] = 1;
     }
   }
-  Timed whole(slot(kForward));
-
-  std::vector<float> cos, sin;
-  rope_tables(bt.positions, bt.T, inv_freq_.data_ptr<float>(), d_.rotary_dim / 2, cos, sin);
 
   std::vector<at::Tensor> spec_conv, spec_ssm;
   at::Tensor x = embed(input_ids);  // [T, hidden]
+  TORCH_CHECK(mm_rows.has_value() == mm_embeds.has_value(), "FusedStack: mm_rows and mm_embeds come together");
+  if (mm_rows.has_value()) replace_rows(x, *mm_rows, *mm_embeds);
   if (fc_.defined()) {
     TORCH_CHECK(hidden_in.sizes() == x.sizes() && hidden_in.scalar_type() == at::kFloat,
                 "FusedStack: the MTP head needs the trunk hidden of every token, [T, hidden] float32");
@@ -320,7 +328,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> FusedSt
       }
       mix = gdn(l.g, h, bt, conv_states, ssm_states, only);
     } else {
-      mix = attention(l.a, h, bt, cos.data(), sin.data(), only);
+      mix = attention(l.a, h, bt, rope.cos.data(), rope.sin.data(), only);
     }
     if (only != nullptr) x = x.index_select(0, only->rows);
     reduce(mix);
@@ -351,6 +359,19 @@ void FusedStack::set_all_reduce(std::function<void(at::Tensor&)> all_reduce, int
   TORCH_CHECK(vocab_start >= 0, "FusedStack: vocab_start must be >= 0");
   all_reduce_ = std::move(all_reduce);
   vocab_start_ = vocab_start;
+}
+
+void FusedStack::replace_rows(at::Tensor& x, const at::Tensor& rows, const at::Tensor& embeds) const {
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "FusedStack: mm_rows is int64 [R]");
+  TORCH_CHECK(embeds.dim() == 2 && embeds.size(0) == rows.size(0) && embeds.size(1) == d_.hidden &&
+                  embeds.scalar_type() == at::kFloat,
+              "FusedStack: mm_embeds is float32 [R, hidden] for mm_rows [R], not ", embeds.sizes());
+  const int64_t T = x.size(0);
+  const int64_t* rp = rows.contiguous().data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows.size(0); ++r) {
+    TORCH_CHECK(rp[r] >= 0 && rp[r] < T, "FusedStack: mm_rows[", r, "] = ", rp[r], " outside [0, ", T, ")");
+  }
+  x.index_copy_(0, rows, embeds);
 }
 
 at::Tensor FusedStack::embed(const at::Tensor& input_ids) const {

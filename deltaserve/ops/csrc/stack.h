@@ -91,12 +91,16 @@ class FusedStack {
 
   // Returns the final-normed hidden states [T, hidden] (with output_rows, [R, hidden] of those rows only: see
   // OutputRows) and, per GDN layer, the per-position conv [S, L, conv_dim, kernel-1] and recurrent
-  // [S, L, hv, dk, dv] states of the verify segments (empty lists when spec_rows == 0).
+  // [S, L, hv, dk, dv] states of the verify segments (empty lists when spec_rows == 0). positions: [T] text
+  // positions, or [3, T] mRoPE (t, h, w) positions, which rotate q and k only: the cache and the causal mask
+  // read each token's index in its sequence (rope.h). mm_rows [R] / mm_embeds [R, hidden]: rows whose token
+  // embeddings the visual tokens replace (ForwardContext.mm_embeds), applied right after the lookup.
   std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> forward(
       const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& qsl,
       const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& slot_mapping,
       const at::Tensor& state_slots, const at::Tensor& spec_index, int64_t spec_rows, int64_t spec_width,
-      const at::Tensor& hidden_in, const std::optional<at::Tensor>& output_rows);
+      const at::Tensor& hidden_in, const std::optional<at::Tensor>& output_rows,
+      const std::optional<at::Tensor>& mm_rows, const std::optional<at::Tensor>& mm_embeds);
 
   // fp32 logits [R, vocab] of final-normed hidden rows [R, hidden]
   at::Tensor logits(const at::Tensor& hidden);
@@ -140,6 +144,8 @@ class FusedStack {
     if (all_reduce_) all_reduce_(partial);
   }
   at::Tensor embed(const at::Tensor& input_ids) const;
+  // x[rows[r]] = embeds[r]: the visual tokens in place of their placeholders' embeddings
+  void replace_rows(at::Tensor& x, const at::Tensor& rows, const at::Tensor& embeds) const;
 
   void check_hidden(const at::Tensor& hidden) const;
   at::Tensor project(const Linear& l, const at::Tensor& x);
@@ -155,6 +161,7 @@ class FusedStack {
   std::array<double, kParts> spent_{};
   WeightPart embed_;  // [vocab, hidden] in its format
   at::Tensor final_scale_, inv_freq_;
+  at::Tensor rotary_axis_;  // int64 [rotary_dim / 2]: the mRoPE position row of each frequency (rope.h)
   Linear lm_head_;
   GreedyScreen greedy_screen_;
   bool use_greedy_screen_ = true;

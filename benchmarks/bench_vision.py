@@ -1,0 +1,171 @@
+"""Images: deltaserve vs transformers on one random checkpoint with the real Qwen3.5-0.8B vision tower (not a
+test; timing decides nothing).
+
+    .venv/bin/python benchmarks/bench_vision.py [--rounds 5] [--threads 2] [--no-write]
+
+The tower is the 0.8B's vision_config (deltaserve/engine/known_configs.py: depth 12, hidden 768, 12 heads,
+MLP 3072, patch 16, merge 2), random; the text trunk is the ~60M random shape of bench_engine.py (hidden 512,
+8 layers, the demo tokenizer's 8192 ids), projecting to it. Workloads, interleaved round by round (ours, then
+theirs) in one process, torch.set_num_threads set explicitly for both:
+- time to first token of one 448x448 picture (784 patches, 196 merged tokens) and a short question: PIL image
+  in, one greedy token out (deltaserve LLM.generate with max_tokens 1; transformers' image processor and
+  generate(max_new_tokens=1)), eager attention for transformers (its default SDPA is slower on this CPU);
+- encoder tokens/s: the tower alone on that picture's pixels (merged tokens out per second).
+The median of the rounds goes into docs/benchmarks.md under "Vision vs transformers"."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench_engine import RANDOM_SHAPE  # noqa: E402
+from report import machine, write_section  # noqa: E402
+
+from deltaserve import LLM, SamplingParams  # noqa: E402
+from deltaserve.engine.known_configs import KNOWN_CONFIGS  # noqa: E402
+from tests.checkpoints import mrope_section, randomize  # noqa: E402
+from tests.vision_checkpoint import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, save_vision_checkpoint  # noqa: E402
+
+SECTION = "## Vision vs transformers"
+SIDE = 448
+# The 0.8B's processor bounds (transformers' Qwen2-VL defaults): a 448x448 picture keeps its size.
+PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280},
+}
+QUESTION = [101, 102, 103, 104, 105, 106, 107, 108]  # "what colour is the square?"-sized: eight text tokens
+
+
+def hf_model():
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = dict(RANDOM_SHAPE, vocab_size=8192)
+    partial = text.pop("partial_rotary_factor")
+    vision = {k: v for k, v in KNOWN_CONFIGS["qwen3.5-0.8b"]["vision_config"].items() if k != "model_type"}
+    vision["out_hidden_size"] = text["hidden_size"]
+    cfg = Qwen3_5Config(
+        text_config=dict(
+            **text, eos_token_id=8176, pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+                             "mrope_section": mrope_section(text["head_dim"], partial), "mrope_interleaved": True},
+        ),
+        vision_config=vision, image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD,
+        vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
+    )
+    for c in (cfg, cfg.text_config, cfg.vision_config):
+        c._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    randomize(model)
+    with torch.no_grad():  # the tower's LayerNorm weights near 1
+        for name, p in model.named_parameters():
+            if name.startswith("model.visual.") and "norm" in name and name.endswith("weight"):
+                p.add_(1.0)
+    return model
+
+
+def picture() -> Image.Image:
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8))
+
+
+def clock(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    hf = hf_model()
+    image = picture()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_vision_checkpoint(hf, Path(tmp) / "ck")
+        (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=1))
+        llm = LLM(str(path), enable_prefix_caching=False, max_num_batched_tokens=1024, num_threads=args.threads)
+        executor = llm.engine.executor.name
+        prompt = {"prompt_token_ids": [VISION_START, IMAGE_PAD, VISION_END, *QUESTION],
+                  "multi_modal_data": {"image": [image]}}
+        one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        processor = Qwen2VLImageProcessorPil(**PREPROCESSOR)
+
+        def ours_ttft() -> list[int]:
+            return llm.generate([prompt], one, use_tqdm=False)[0].outputs[0].token_ids
+
+        def theirs_ttft() -> list[int]:
+            proc = processor(images=[image], return_tensors="pt")
+            n = int(proc["image_grid_thw"].prod()) // 4
+            ids = torch.tensor([[VISION_START, *[IMAGE_PAD] * n, VISION_END, *QUESTION]])
+            out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=proc["pixel_values"],
+                              image_grid_thw=proc["image_grid_thw"], mm_token_type_ids=(ids == IMAGE_PAD).int(),
+                              max_new_tokens=1, do_sample=False)
+            return out[0, ids.shape[1]:].tolist()
+
+        proc = processor(images=[image], return_tensors="pt")
+        pixels, grid = proc["pixel_values"], proc["image_grid_thw"]
+        merged = int(grid.prod()) // 4
+
+        def ours_encode() -> torch.Tensor:
+            return llm.engine.executor.encode_images(pixels, [tuple(grid[0].tolist())])
+
+        def theirs_encode() -> torch.Tensor:
+            return torch.cat(hf.model.get_image_features(pixels, grid).pooler_output)
+
+        with torch.inference_mode():
+            assert ours_ttft() == theirs_ttft(), "the first tokens differ"  # and a warm-up round
+            torch.testing.assert_close(ours_encode(), theirs_encode(), atol=1e-3, rtol=1e-3)
+            times: dict[str, list[float]] = {k: [] for k in ("ours_ttft", "theirs_ttft", "ours_enc", "theirs_enc")}
+            for r in range(args.rounds):
+                times["ours_ttft"].append(clock(ours_ttft))
+                times["theirs_ttft"].append(clock(theirs_ttft))
+                times["ours_enc"].append(clock(ours_encode))
+                times["theirs_enc"].append(clock(theirs_encode))
+                print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    rows = [
+        ("time to first token, one 448x448 picture + 8 text tokens", f"{med['ours_ttft']:.3f} s",
+         f"{med['theirs_ttft']:.3f} s", med["theirs_ttft"] / med["ours_ttft"]),
+        (f"encoder tokens/s (the tower alone, {merged} merged tokens)", f"{merged / med['ours_enc']:.0f}",
+         f"{merged / med['theirs_enc']:.0f}", med["theirs_enc"] / med["ours_enc"]),
+    ]
+    table = "\n".join(f"| {w} | {o} | {t} | {x:.2f}x |" for w, o, t, x in rows)
+    text = (
+        f"{SECTION}\n\n"
+        f"`benchmarks/bench_vision.py --rounds {args.rounds} --threads {args.threads}`, "
+        f"{datetime.date.today().isoformat()}; {machine()}. A random checkpoint with the Qwen3.5-0.8B vision tower "
+        f"(depth 12, hidden 768, patch 16) in front of a ~60M random text trunk (bench_engine.py's shape); "
+        f"deltaserve's {executor} executor, transformers {transformers.__version__} (eager attention, fp32), "
+        f"`torch.set_num_threads({args.threads})` for both, rounds interleaved, medians; same first token checked. "
+        "The machine is shared: read the ratios, not the absolute times.\n\n"
+        "| workload | deltaserve | transformers | speed-up |\n|---|---|---|---|\n"
+        f"{table}\n"
+    )
+    print(text)
+    if not args.no_write:
+        write_section(SECTION, text)
+
+
+if __name__ == "__main__":
+    main()
