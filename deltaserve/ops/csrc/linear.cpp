@@ -325,10 +325,106 @@ void tile_rows(const float* x, int64_t ldx, int64_t kb, const float* tile, float
 #endif
 }
 
+#if defined(__AVX512F__)
+// Whether outputs [n0, n0 + ncols) all lie in bf16 parts (the packed kernel then keeps their tile in bf16).
+bool bf16_outputs(const Linear& l, int64_t n0, int64_t ncols) {
+  for (int64_t n = n0; n < n0 + ncols;) {
+    const int64_t i = part_of(l, n);
+    if (l.parts[i].format != Format::kBFloat16) return false;
+    n = l.starts[i + 1];
+  }
+  return true;
+}
+
+// tile [kb, 64] bf16 = w[n0 .. n0 + ncols, k0 .. k0 + kb)^T of bf16 parts, the columns past ncols zero, each
+// row of 64 interleaved in two halves of 32: output 32h + i at word 32h + 2i, output 32h + 16 + i at word
+// 32h + 2i + 1. Read as 32-bit lanes, the low words are 16 consecutive outputs and the high words the next 16,
+// so tile_rows_bf16 widens 32 weights with one shift and one mask (half the tile bytes of fp32: the old
+// bf16 panels' layout, packed per tile instead of kept).
+void pack_tile_bf16(const Linear& l, int64_t n0, int64_t ncols, int64_t k0, int64_t kb, uint16_t* tile) {
+  const uint16_t* row[kPanel];
+  for (int64_t j = 0; j < kPanel; ++j) {
+    row[j] = nullptr;
+    if (j >= ncols) continue;
+    const int64_t i = part_of(l, n0 + j);
+    const WeightPart& p = l.parts[i];
+    row[j] = reinterpret_cast<const uint16_t*>(bytes_of(p) + (n0 + j - l.starts[i]) * p.row_bytes) + k0;
+  }
+  for (int64_t h = 0; h < 2; ++h) {
+    for (int64_t kc = 0; kc < kb; kc += 16) {
+      const int64_t n = std::min<int64_t>(16, kb - kc);
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      __m512 v[16];  // v[i]: lanes k of the 32-bit word (output 32h + i, output 32h + 16 + i)
+      for (int64_t i = 0; i < 16; ++i) {
+        const uint16_t* lo = row[32 * h + i];
+        const uint16_t* hi = row[32 * h + 16 + i];
+        const __m512i a = lo ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, lo + kc)) : _mm512_setzero_si512();
+        const __m512i b = hi ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, hi + kc)) : _mm512_setzero_si512();
+        v[i] = _mm512_castsi512_ps(_mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+      }
+      transpose16(v);
+      for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(tile + (kc + i) * kPanel + 32 * h, v[i]);
+    }
+  }
+}
+
+// tile_rows on a bf16 tile of pack_tile_bf16: 2 loads and 4 integer ops per k for the 64 weights instead of 4
+// fp32 loads; the products and their order are tile_rows' (the same fp32 weights), so the sums are identical.
+template <int R>
+void tile_rows_bf16(const float* x, int64_t ldx, int64_t kb, const uint16_t* tile, float* y, int64_t ldy,
+                    int64_t ncols, bool accumulate) {
+  __mmask16 mask[4];
+  for (int j = 0; j < 4; ++j) {
+    const int64_t n = std::clamp<int64_t>(ncols - 16 * j, 0, 16);
+    mask[j] = static_cast<__mmask16>((1u << n) - 1);
+  }
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) {
+      acc[r][j] = accumulate ? _mm512_maskz_loadu_ps(mask[j], y + r * ldy + 16 * j) : _mm512_setzero_ps();
+    }
+  }
+  const __m512i high_words = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < kb; ++k) {
+    const __m512i lo = _mm512_loadu_si512(tile + k * kPanel), hi = _mm512_loadu_si512(tile + k * kPanel + 32);
+    const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
+                 w1 = _mm512_castsi512_ps(_mm512_and_si512(lo, high_words)),
+                 w2 = _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)),
+                 w3 = _mm512_castsi512_ps(_mm512_and_si512(hi, high_words));
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask[j], acc[r][j]);
+  }
+}
+#endif
+
 // Rows [r0, r1) of x times panel p's outputs, into out (ld ldo), through the packed kernel.
 void packed_panel(const Linear& l, const float* x, int64_t r0, int64_t r1, int64_t n0, int64_t ncols, float* tile,
                   float* out, int64_t ldo) {
   const int64_t K = l.K;
+#if defined(__AVX512F__)
+  if (bf16_outputs(l, n0, ncols)) {  // the tile in bf16 (the tile's fp32 room holds it)
+    uint16_t* tile16 = reinterpret_cast<uint16_t*>(tile);
+    for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
+      const int64_t kb = std::min(kKBlock, K - k0);
+      pack_tile_bf16(l, n0, ncols, k0, kb, tile16);
+      for (int64_t t = r0; t < r1; t += 6) {
+        with_rows<6>(std::min<int64_t>(6, r1 - t), [&](auto R) {
+          tile_rows_bf16<decltype(R)::value>(x + t * K + k0, K, kb, tile16, out + (t - r0) * ldo, ldo, ncols,
+                                             k0 > 0);
+        });
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
     const int64_t kb = std::min(kKBlock, K - k0);
     pack_tile(l, n0, ncols, k0, kb, tile);
