@@ -294,12 +294,12 @@ void pack_tile(const Linear& l, int64_t n0, int64_t ncols, int64_t k0, int64_t k
 #endif
 }
 
-// y[r, 0 .. ncols) (+)= x[r, 0 .. kb) @ tile for R rows: R x 64 fp32 accumulators in registers, each weight
-// loaded once for all R rows (x's rows are ldx apart, y's ldy; `accumulate`: add to what y holds).
-template <int R>
-void tile_rows(const float* x, int64_t ldx, int64_t kb, const float* tile, float* y, int64_t ldy, int64_t ncols,
-               bool accumulate) {
 #if defined(__AVX512F__)
+// The register-blocked kernel of tile_rows over any tile: weights_at(k, w) puts the tile's 64 fp32 weights of
+// input k in w[0 .. 4).
+template <int R, typename WeightsAt>
+void tile_rows_with(const float* x, int64_t ldx, int64_t kb, WeightsAt&& weights_at, float* y, int64_t ldy,
+                    int64_t ncols, bool accumulate) {
   __mmask16 mask[4];
   for (int j = 0; j < 4; ++j) {
     const int64_t n = std::clamp<int64_t>(ncols - 16 * j, 0, 16);
@@ -312,20 +312,28 @@ void tile_rows(const float* x, int64_t ldx, int64_t kb, const float* tile, float
     }
   }
   for (int64_t k = 0; k < kb; ++k) {
-    const float* w = tile + k * kPanel;
-    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32),
-                 w3 = _mm512_loadu_ps(w + 48);
+    __m512 w[4];
+    weights_at(k, w);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask[j], acc[r][j]);
   }
+}
+#endif
+
+// y[r, 0 .. ncols) (+)= x[r, 0 .. kb) @ tile for R rows: R x 64 fp32 accumulators in registers, each weight
+// loaded once for all R rows (x's rows are ldx apart, y's ldy; `accumulate`: add to what y holds).
+template <int R>
+void tile_rows(const float* x, int64_t ldx, int64_t kb, const float* tile, float* y, int64_t ldy, int64_t ncols,
+               bool accumulate) {
+#if defined(__AVX512F__)
+  tile_rows_with<R>(x, ldx, kb, [tile](int64_t k, __m512 w[4]) {
+    for (int j = 0; j < 4; ++j) w[j] = _mm512_loadu_ps(tile + k * kPanel + 16 * j);
+  }, y, ldy, ncols, accumulate);
 #else
   float acc[R][kPanel];
   for (int r = 0; r < R; ++r) {
@@ -391,35 +399,14 @@ void pack_tile_bf16(const Linear& l, int64_t n0, int64_t ncols, int64_t k0, int6
 template <int R>
 void tile_rows_bf16(const float* x, int64_t ldx, int64_t kb, const uint16_t* tile, float* y, int64_t ldy,
                     int64_t ncols, bool accumulate) {
-  __mmask16 mask[4];
-  for (int j = 0; j < 4; ++j) {
-    const int64_t n = std::clamp<int64_t>(ncols - 16 * j, 0, 16);
-    mask[j] = static_cast<__mmask16>((1u << n) - 1);
-  }
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < 4; ++j) {
-      acc[r][j] = accumulate ? _mm512_maskz_loadu_ps(mask[j], y + r * ldy + 16 * j) : _mm512_setzero_ps();
-    }
-  }
   const __m512i high_words = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t k = 0; k < kb; ++k) {
+  tile_rows_with<R>(x, ldx, kb, [tile, high_words](int64_t k, __m512 w[4]) {
     const __m512i lo = _mm512_loadu_si512(tile + k * kPanel), hi = _mm512_loadu_si512(tile + k * kPanel + 32);
-    const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
-                 w1 = _mm512_castsi512_ps(_mm512_and_si512(lo, high_words)),
-                 w2 = _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)),
-                 w3 = _mm512_castsi512_ps(_mm512_and_si512(hi, high_words));
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask[j], acc[r][j]);
-  }
+    w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16));
+    w[1] = _mm512_castsi512_ps(_mm512_and_si512(lo, high_words));
+    w[2] = _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16));
+    w[3] = _mm512_castsi512_ps(_mm512_and_si512(hi, high_words));
+  }, y, ldy, ncols, accumulate);
 }
 #endif
 
