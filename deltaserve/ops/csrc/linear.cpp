@@ -112,9 +112,21 @@ void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, flo
       }
     }
   };
+  // bytes of 16 stored values; while a block reads its NO weight rows, the same lines of the next block's rows
+  // are prefetched into L2, once per line (NO interleaved streams, which the hardware prefetcher does not keep
+  // ahead). Only for short rows (a block of 16 KB or less: K = 1024 bf16 at one row): blocks of longer rows
+  // (down_proj's K = 3584) measured slower with it.
+  constexpr int64_t kBytes16 = F == Format::kFloat32 ? 64 : F == Format::kBFloat16 ? 32 : F == Format::kInt4 ? 8 : 16;
+  const int64_t ahead = NO * p.row_bytes;
+  const int64_t prefetch_mask = ahead <= 16384 ? 63 : -1;  // k0's byte offsets at which to prefetch (-1: none)
   int64_t k0 = 0;
   for (; k0 + 16 <= K; k0 += 16) {
     next_scales(k0);
+    if (((k0 * kBytes16 / 16) & prefetch_mask) == 0 && prefetch_mask > 0) {
+      for (int j = 0; j < NO; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + k0 * kBytes16 / 16 + ahead), _MM_HINT_T1);
+      }
+    }
     __m512 w[NO];
     for (int j = 0; j < NO; ++j) w[j] = widen16<F>(rows[j], k0, 0xFFFF, s[j]);
     for (int r = 0; r < R; ++r) {
@@ -133,16 +145,18 @@ void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, flo
     }
   }
   for (int r = 0; r < R; ++r) {
-    if constexpr (NO == 4) {  // the 4 sums at once: a shuffle tree, a third of 4 reductions' instructions
-      const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][0], acc[r][1]),
-                                       _mm512_unpackhi_ps(acc[r][0], acc[r][1]));
-      const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][2], acc[r][3]),
-                                       _mm512_unpackhi_ps(acc[r][2], acc[r][3]));
-      // per 128-bit lane: the partial sums of outputs 0, 1, 2, 3
-      const __m512 b = _mm512_add_ps(_mm512_shuffle_ps(a01, a23, 0x44), _mm512_shuffle_ps(a01, a23, 0xEE));
-      const __m512 c = _mm512_add_ps(b, _mm512_shuffle_f32x4(b, b, 0x4E));
-      const __m512 d = _mm512_add_ps(c, _mm512_shuffle_f32x4(c, c, 0xB1));
-      _mm_storeu_ps(y + r * ldy, _mm512_castps512_ps128(d));
+    if constexpr (NO % 4 == 0) {  // 4 sums at once: a shuffle tree, a third of 4 reductions' instructions
+      for (int q = 0; q < NO; q += 4) {  // (8 outputs: the tree of each 4, the same sums as two blocks of 4)
+        const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][q], acc[r][q + 1]),
+                                         _mm512_unpackhi_ps(acc[r][q], acc[r][q + 1]));
+        const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][q + 2], acc[r][q + 3]),
+                                         _mm512_unpackhi_ps(acc[r][q + 2], acc[r][q + 3]));
+        // per 128-bit lane: the partial sums of outputs q .. q + 3
+        const __m512 b = _mm512_add_ps(_mm512_shuffle_ps(a01, a23, 0x44), _mm512_shuffle_ps(a01, a23, 0xEE));
+        const __m512 c = _mm512_add_ps(b, _mm512_shuffle_f32x4(b, b, 0x4E));
+        const __m512 d = _mm512_add_ps(c, _mm512_shuffle_f32x4(c, c, 0xB1));
+        _mm_storeu_ps(y + r * ldy + q, _mm512_castps512_ps128(d));
+      }
     } else {
       for (int j = 0; j < NO; ++j) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r][j]);
     }
@@ -171,12 +185,16 @@ void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, flo
 #endif
 }
 
-// Outputs [n, n + count) of part p (local rows) for rows of x, 4 outputs and 4 rows at a time: the weights of
-// 4 outputs (a few KB) stay in L1 while the row tiles pass, so each is read from memory once.
+// Outputs [n, n + count) of part p (local rows) for rows of x, 4 outputs and 4 rows at a time (one row: 8
+// outputs): the weights of 4 outputs (a few KB) stay in L1 while the row tiles pass, so each is read from
+// memory once. Each output's sum is the same whichever block it falls in.
 template <Format F>
 void dot_part(const WeightPart& p, int64_t row0, int64_t count, const float* x, int64_t T, int64_t K, float* y,
               int64_t ldy) {
   int64_t j = 0;
+  if (T == 1) {  // 8 outputs at a time: 8 independent sums hide the FMA latency (4 did not, at one row)
+    for (; j + 8 <= count; j += 8) dot_block<F, 8, 1>(p, row0 + j, x, K, y + j, ldy);
+  }
   for (; j + 4 <= count; j += 4) {
     for (int64_t t = 0; t < T; t += 4) {
       with_rows<4>(std::min<int64_t>(4, T - t),
@@ -276,12 +294,12 @@ void pack_tile(const Linear& l, int64_t n0, int64_t ncols, int64_t k0, int64_t k
 #endif
 }
 
-// y[r, 0 .. ncols) (+)= x[r, 0 .. kb) @ tile for R rows: R x 64 fp32 accumulators in registers, each weight
-// loaded once for all R rows (x's rows are ldx apart, y's ldy; `accumulate`: add to what y holds).
-template <int R>
-void tile_rows(const float* x, int64_t ldx, int64_t kb, const float* tile, float* y, int64_t ldy, int64_t ncols,
-               bool accumulate) {
 #if defined(__AVX512F__)
+// The register-blocked kernel of tile_rows over any tile: weights_at(k, w) puts the tile's 64 fp32 weights of
+// input k in w[0 .. 4).
+template <int R, typename WeightsAt>
+void tile_rows_with(const float* x, int64_t ldx, int64_t kb, WeightsAt&& weights_at, float* y, int64_t ldy,
+                    int64_t ncols, bool accumulate) {
   __mmask16 mask[4];
   for (int j = 0; j < 4; ++j) {
     const int64_t n = std::clamp<int64_t>(ncols - 16 * j, 0, 16);
@@ -294,20 +312,28 @@ void tile_rows(const float* x, int64_t ldx, int64_t kb, const float* tile, float
     }
   }
   for (int64_t k = 0; k < kb; ++k) {
-    const float* w = tile + k * kPanel;
-    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32),
-                 w3 = _mm512_loadu_ps(w + 48);
+    __m512 w[4];
+    weights_at(k, w);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask[j], acc[r][j]);
   }
+}
+#endif
+
+// y[r, 0 .. ncols) (+)= x[r, 0 .. kb) @ tile for R rows: R x 64 fp32 accumulators in registers, each weight
+// loaded once for all R rows (x's rows are ldx apart, y's ldy; `accumulate`: add to what y holds).
+template <int R>
+void tile_rows(const float* x, int64_t ldx, int64_t kb, const float* tile, float* y, int64_t ldy, int64_t ncols,
+               bool accumulate) {
+#if defined(__AVX512F__)
+  tile_rows_with<R>(x, ldx, kb, [tile](int64_t k, __m512 w[4]) {
+    for (int j = 0; j < 4; ++j) w[j] = _mm512_loadu_ps(tile + k * kPanel + 16 * j);
+  }, y, ldy, ncols, accumulate);
 #else
   float acc[R][kPanel];
   for (int r = 0; r < R; ++r) {
@@ -325,10 +351,85 @@ void tile_rows(const float* x, int64_t ldx, int64_t kb, const float* tile, float
 #endif
 }
 
+#if defined(__AVX512F__)
+// Whether outputs [n0, n0 + ncols) all lie in bf16 parts (the packed kernel then keeps their tile in bf16).
+bool bf16_outputs(const Linear& l, int64_t n0, int64_t ncols) {
+  for (int64_t n = n0; n < n0 + ncols;) {
+    const int64_t i = part_of(l, n);
+    if (l.parts[i].format != Format::kBFloat16) return false;
+    n = l.starts[i + 1];
+  }
+  return true;
+}
+
+// tile [kb, 64] bf16 = w[n0 .. n0 + ncols, k0 .. k0 + kb)^T of bf16 parts, the columns past ncols zero, each
+// row of 64 interleaved in two halves of 32: output 32h + i at word 32h + 2i, output 32h + 16 + i at word
+// 32h + 2i + 1. Read as 32-bit lanes, the low words are 16 consecutive outputs and the high words the next 16,
+// so tile_rows_bf16 widens 32 weights with one shift and one mask (half the tile bytes of fp32: the old
+// bf16 panels' layout, packed per tile instead of kept).
+void pack_tile_bf16(const Linear& l, int64_t n0, int64_t ncols, int64_t k0, int64_t kb, uint16_t* tile) {
+  const uint16_t* row[kPanel];
+  for (int64_t j = 0; j < kPanel; ++j) {
+    row[j] = nullptr;
+    if (j >= ncols) continue;
+    const int64_t i = part_of(l, n0 + j);
+    const WeightPart& p = l.parts[i];
+    row[j] = reinterpret_cast<const uint16_t*>(bytes_of(p) + (n0 + j - l.starts[i]) * p.row_bytes) + k0;
+  }
+  for (int64_t h = 0; h < 2; ++h) {
+    for (int64_t kc = 0; kc < kb; kc += 16) {
+      const int64_t n = std::min<int64_t>(16, kb - kc);
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      __m512 v[16];  // v[i]: lanes k of the 32-bit word (output 32h + i, output 32h + 16 + i)
+      for (int64_t i = 0; i < 16; ++i) {
+        const uint16_t* lo = row[32 * h + i];
+        const uint16_t* hi = row[32 * h + 16 + i];
+        const __m512i a = lo ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, lo + kc)) : _mm512_setzero_si512();
+        const __m512i b = hi ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, hi + kc)) : _mm512_setzero_si512();
+        v[i] = _mm512_castsi512_ps(_mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+      }
+      transpose16(v);
+      for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(tile + (kc + i) * kPanel + 32 * h, v[i]);
+    }
+  }
+}
+
+// tile_rows on a bf16 tile of pack_tile_bf16: 2 loads and 4 integer ops per k for the 64 weights instead of 4
+// fp32 loads; the products and their order are tile_rows' (the same fp32 weights), so the sums are identical.
+template <int R>
+void tile_rows_bf16(const float* x, int64_t ldx, int64_t kb, const uint16_t* tile, float* y, int64_t ldy,
+                    int64_t ncols, bool accumulate) {
+  const __m512i high_words = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  tile_rows_with<R>(x, ldx, kb, [tile, high_words](int64_t k, __m512 w[4]) {
+    const __m512i lo = _mm512_loadu_si512(tile + k * kPanel), hi = _mm512_loadu_si512(tile + k * kPanel + 32);
+    w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16));
+    w[1] = _mm512_castsi512_ps(_mm512_and_si512(lo, high_words));
+    w[2] = _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16));
+    w[3] = _mm512_castsi512_ps(_mm512_and_si512(hi, high_words));
+  }, y, ldy, ncols, accumulate);
+}
+#endif
+
 // Rows [r0, r1) of x times panel p's outputs, into out (ld ldo), through the packed kernel.
 void packed_panel(const Linear& l, const float* x, int64_t r0, int64_t r1, int64_t n0, int64_t ncols, float* tile,
                   float* out, int64_t ldo) {
   const int64_t K = l.K;
+#if defined(__AVX512F__)
+  if (bf16_outputs(l, n0, ncols)) {  // the tile in bf16 (the tile's fp32 room holds it)
+    uint16_t* tile16 = reinterpret_cast<uint16_t*>(tile);
+    for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
+      const int64_t kb = std::min(kKBlock, K - k0);
+      pack_tile_bf16(l, n0, ncols, k0, kb, tile16);
+      for (int64_t t = r0; t < r1; t += 6) {
+        with_rows<6>(std::min<int64_t>(6, r1 - t), [&](auto R) {
+          tile_rows_bf16<decltype(R)::value>(x + t * K + k0, K, kb, tile16, out + (t - r0) * ldo, ldo, ncols,
+                                             k0 > 0);
+        });
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
     const int64_t kb = std::min(kKBlock, K - k0);
     pack_tile(l, n0, ncols, k0, kb, tile);
