@@ -11,22 +11,9 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.model.linear import StoredWeights
 from deltaserve.model.loader import load_model
-from deltaserve.sampling import SamplingParams
+from tests.test_tensor_parallel import greedy  # three prompts, the longest chunked
 
-PROMPTS = [[3, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71], [5, 9, 2, 7], [17]]
 OPTIONS = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=16)  # prompts run in chunks
-
-
-def greedy(engine: LLMEngine, max_tokens: int = 16) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", p, params)
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = list(o.outputs[0].token_ids)
-    return [out[f"r{i}"] for i in range(len(PROMPTS))]
 
 
 def dequantized_reference(model) -> torch.nn.Module:
