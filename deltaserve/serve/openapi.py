@@ -36,6 +36,14 @@ _LOOKUP_ROUTES = ("/inspect/api/gdn_state", "/inspect/api/attention")
 _STREAMING_ROUTES = _GENERATION_ROUTES  # "stream": true answers with server-sent events
 
 
+# One server-sent event of a streamed answer (with stream: true), as SSE parsers (schemathesis's checks
+# among them) read it: its data line (a JSON chunk, or [DONE]) and its event type.
+SSE_EVENT = {
+    "type": "object", "description": "with stream: true: one server-sent event",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}},
+}
+
+
 def _error(description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": _ERROR_REF}}}
 
@@ -65,8 +73,7 @@ def install_openapi(app: FastAPI, api_key: bool) -> None:
                 if path in _GENERATION_ROUTES:
                     responses["503"] = _error("The waiting queue is full (Retry-After) or the engine stopped")
                 if path in _STREAMING_ROUTES and "200" in responses:
-                    responses["200"].setdefault("content", {})["text/event-stream"] = {
-                        "schema": {"type": "string", "description": "with stream: true"}}
+                    responses["200"].setdefault("content", {})["text/event-stream"] = {"schema": SSE_EVENT}
         app.openapi_schema = doc
         return doc
 
