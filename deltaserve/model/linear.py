@@ -127,9 +127,7 @@ class Embedding(StoredWeights):
 def tie(embedding: Embedding, head: Linear) -> None:
     """Make the embedding read the head's weight (tie_word_embeddings): one tensor, in the head's format,
     its rows dequantized one token at a time when the head is quantized."""
-    embedding.weight = head.weight if head.weight is not None else embedding.weight
-    head.weight = embedding.weight
-    embedding.weight_scale = head.weight_scale
+    embedding.weight, embedding.weight_scale = head.weight, head.weight_scale
     embedding._quantized = head._quantized
 
 
