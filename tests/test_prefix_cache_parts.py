@@ -271,8 +271,7 @@ def test_decode_snapshots_replace_each_other_and_the_last_one_stays() -> None:
     hashes = _hashes(seq.tokens, n=4)
     assert hashes[0] in snaps and hashes[3] in snaps and hashes[1] not in snaps and hashes[2] not in snaps
     m.free("a")
-    out = _cache(2)
-    snaps.store.cache = out  # restore into fresh tensors: the entry holds the state after 16 tokens
+    cache.ssm[0].zero_()  # restore into cleared slots: the entry holds the state after 16 tokens
     snaps.restore(hashes[3], 1)
-    assert torch.all(out.ssm[0][1] == 16.0)
+    assert torch.all(cache.ssm[0][1] == 16.0)
     assert snaps.num_used == 2 and not m.prefix._decode_snapshot
