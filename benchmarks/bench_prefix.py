@@ -1,7 +1,8 @@
 """Prefix caching on and off, one thread unless --threads (not a test; timing decides nothing).
 
     .venv/bin/python benchmarks/bench_prefix.py [--model DIR] [--rounds 3] [--shared 64] [--max-num-seqs 64]
-        [--kv-cache-memory GiB] [--threads 1] [--max-tokens 32] [--skip-no-reuse] [--section HEADING] [--no-write]
+        [--kv-cache-memory GiB] [--threads 1] [--max-tokens 32] [--skip-no-reuse] [--no-reuse-requests 32]
+        [--only-no-reuse] [--one-engine-at-a-time] [--section HEADING] [--no-write]
 
 Workloads, each run on an engine without and one with --enable-prefix-caching (default settings):
 (a) an 8-turn chat behind a 1,000-token system prompt: every turn re-sends the conversation (the previous
@@ -99,22 +100,25 @@ class RoundResult:
     outputs: list
 
 
-def no_reuse_workloads(vocab: int, out: SamplingParams, seed: int) -> list:
-    """(c): fresh prompts every round, so a cached engine never hits."""
+def no_reuse_workloads(vocab: int, out: SamplingParams, seed: int, n: int = 32) -> list:
+    """(c): fresh prompts every round, so a cached engine never hits: n long prompts, then 2n mixed requests."""
     rng = random.Random(100 + seed)
     return [
-        ([tokens(rng, 1000, vocab) for _ in range(32)], out),
-        ([tokens(rng, rng.randint(16, 256), vocab) for _ in range(64)],
-         [SamplingParams(temperature=0.0, max_tokens=rng.randint(16, 256), ignore_eos=True) for _ in range(64)]),
+        ([tokens(rng, 1000, vocab) for _ in range(n)], out),
+        ([tokens(rng, rng.randint(16, 256), vocab) for _ in range(2 * n)],
+         [SamplingParams(temperature=0.0, max_tokens=rng.randint(16, 256), ignore_eos=True) for _ in range(2 * n)]),
     ]
 
 
-NO_REUSE_LABELS = ["no reuse: 32 distinct 1,000-token prompts, at once",
-                   "no reuse: 64 requests, prompts and outputs 16..256 tokens, at once"]
+def no_reuse_labels(n: int) -> list[str]:
+    return [f"no reuse: {n} distinct 1,000-token prompts, at once",
+            f"no reuse: {2 * n} requests, prompts and outputs 16..256 tokens, at once"]
 
 
-def run_round(llm: LLM, vocab: int, out: SamplingParams, r: int, shared_n: int, no_reuse: bool) -> RoundResult:
-    ttft, chat_outs = chat_ttft(llm, vocab, out, seed=1 + r)  # (a) a new conversation each round
+def run_round(llm: LLM, vocab: int, out: SamplingParams, r: int, shared_n: int, no_reuse: int,
+              chat: bool = True) -> RoundResult:
+    """no_reuse: the n of no_reuse_workloads (0: skip them); chat False skips (a)."""
+    ttft, chat_outs = chat_ttft(llm, vocab, out, seed=1 + r) if chat else ([], [])  # (a) a new one each round
     rng = random.Random(200 + r)  # (b) a new prefix each round
     prefix = tokens(rng, 1000, vocab)
     before = llm.engine.stats().prefix_cache
@@ -122,7 +126,7 @@ def run_round(llm: LLM, vocab: int, out: SamplingParams, r: int, shared_n: int, 
     after = llm.engine.stats().prefix_cache
     reused = 0 if after is None else after.hits - before.hits
     costs, cost_outs = [], []
-    for prompts, params in no_reuse_workloads(vocab, out, r) if no_reuse else ():
+    for prompts, params in no_reuse_workloads(vocab, out, r, no_reuse) if no_reuse else ():
         t, o = batch(llm, prompts, params)
         costs.append(t)
         cost_outs.append(o)
@@ -139,6 +143,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     ap.add_argument("--skip-no-reuse", action="store_true", help="skip (c), the cost where nothing is reused")
+    ap.add_argument("--no-reuse-requests", type=int, default=32,
+                    help="(c)'s size: this many 1,000-token prompts, then twice as many mixed requests")
+    ap.add_argument("--only-no-reuse", action="store_true", help="run (c) alone (no chat, no shared prefix)")
     ap.add_argument("--one-engine-at-a-time", action="store_true",
                     help="build each engine afresh for its turn of a round and drop it after (for a checkpoint "
                     "two engines of which do not fit in memory together)")
@@ -172,7 +179,8 @@ def main() -> None:
         for caching in (False, True):
             llm = ready(caching)
             vocab = llm.engine.model_config.vocab_size
-            results.append(run_round(llm, vocab, out, r, args.shared, not args.skip_no_reuse))
+            results.append(run_round(llm, vocab, out, r, 0 if args.only_no_reuse else args.shared,
+                                     0 if args.skip_no_reuse else args.no_reuse_requests, not args.only_no_reuse))
             del llm  # with --one-engine-at-a-time only `kept` holds it, so the next build can drop it first
         p, c = results
         assert p.outputs == c.outputs, "outputs differ with prefix caching"
@@ -187,34 +195,38 @@ def main() -> None:
     def best(pick) -> tuple[float, float]:
         return min(pick(p) for p, _ in rounds), min(pick(c) for _, c in rounds)
 
-    lines += [f"8-turn chat behind a 1,000-token system prompt (each turn + 40 tokens, the answer re-sent): time "
-              f"to first token per turn (ms, wall clock, best of {args.rounds} interleaved rounds; speedup of "
-              "each round)", "",
-              "| turn | prompt tokens | no caching | caching | speedup per round |", "|---|---|---|---|---|"]
+    chat_lines = [f"8-turn chat behind a 1,000-token system prompt (each turn + 40 tokens, the answer re-sent): "
+                  f"time to first token per turn (ms, wall clock, best of {args.rounds} interleaved rounds; "
+                  "speedup of each round)", "",
+                  "| turn | prompt tokens | no caching | caching | speedup per round |", "|---|---|---|---|---|"]
     n = 1000
     for i in range(len(rounds[0][0].ttft)):
         n += 40
         a, b = best(lambda x, i=i: x.ttft[i])
-        lines.append(f"| {i + 1} | {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | "
-                     f"{ratios([p.ttft[i] / c.ttft[i] for p, c in rounds])}x |")
+        chat_lines.append(f"| {i + 1} | {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | "
+                          f"{ratios([p.ttft[i] / c.ttft[i] for p, c in rounds])}x |")
         n += args.max_tokens
     a, b = best(lambda x: x.shared_cpu_s)
-    lines += ["", "| workload | no caching | caching | speedup per round |", "|---|---|---|---|",
-              f"| {args.shared} requests sharing a 1,000-token prefix (+24 own, {args.max_tokens} out), at once: "
-              f"CPU s (best of {args.rounds}) | {a:.2f} | {b:.2f} | "
-              f"{' / '.join(f'{p.shared_cpu_s / c.shared_cpu_s:.2f}' for p, c in rounds)}x |"]
+    lines += chat_lines + [""] if not args.only_no_reuse else []
+    lines += ["| workload | no caching | caching | speedup per round |", "|---|---|---|---|"]
+    if not args.only_no_reuse:
+        lines.append(f"| {args.shared} requests sharing a 1,000-token prefix (+24 own, {args.max_tokens} out), at "
+                     f"once: CPU s (best of {args.rounds}) | {a:.2f} | {b:.2f} | "
+                     f"{' / '.join(f'{p.shared_cpu_s / c.shared_cpu_s:.2f}' for p, c in rounds)}x |")
     costs: list[str] = []
-    for w, label in enumerate(NO_REUSE_LABELS if not args.skip_no_reuse else []):
+    for w, label in enumerate(no_reuse_labels(args.no_reuse_requests) if not args.skip_no_reuse else []):
         a, b = best(lambda x, w=w: x.no_reuse_cpu_s[w])
         per = " / ".join(f"{100 * (c.no_reuse_cpu_s[w] / p.no_reuse_cpu_s[w] - 1):+.1f}%" for p, c in rounds)
         lines.append(f"| {label}: CPU s (best of {args.rounds}) | {a:.2f} | {b:.2f} | {per} time |")
         costs.append(f"{100 * (b / a - 1):+.1f}%")
-    lines += ["", f"The last round's {args.shared} shared-prefix requests reused {rounds[-1][1].reused:,} of "
-              f"{args.shared * 1024:,} prompt tokens. Snapshot pool at the end: {usage.used_snapshots} of "
-              f"{usage.total_snapshots} snapshots, {format_bytes(usage.snapshot_bytes)} "
-              f"({format_bytes(snaps.bytes_per_snapshot)} each; the pool's budget "
-              f"{format_bytes(snaps.num_total * snaps.bytes_per_snapshot)}); KV blocks cached "
-              f"{usage.cached_blocks:,} of {usage.total_blocks:,}."]
+    lines.append("")
+    if not args.only_no_reuse:
+        lines.append(f"The last round's {args.shared} shared-prefix requests reused {rounds[-1][1].reused:,} of "
+                     f"{args.shared * 1024:,} prompt tokens. Snapshot pool at the end: {usage.used_snapshots} of "
+                     f"{usage.total_snapshots} snapshots, {format_bytes(usage.snapshot_bytes)} "
+                     f"({format_bytes(snaps.bytes_per_snapshot)} each; the pool's budget "
+                     f"{format_bytes(snaps.num_total * snaps.bytes_per_snapshot)}); KV blocks cached "
+                     f"{usage.cached_blocks:,} of {usage.total_blocks:,}.")
     if costs:
         lines += ["", f"Cost where nothing is reused (best of the rounds): {', '.join(costs)} CPU time (the step "
                   "hook, snapshot copies at prompt points and decode block boundaries, prompt chunks cut at "
