@@ -158,6 +158,9 @@ class LLMEngine:
         self.last_schedule: SchedulerOutput | None = None
         # Called after every step with its SchedulerOutput (metrics, the inspector's step trace).
         self.step_listeners: list[Callable[[SchedulerOutput], None]] = []
+        # Called for every accepted request with images: its id, its expanded prompt ids and its images with
+        # their mRoPE positions (the inspector's vision panel).
+        self.multimodal_listeners: list[Callable[[str, list[int], MultiModalPrompt], None]] = []
 
     def _vision_inputs(self, path: Path) -> tuple[ImageProcessor | None, EncoderCache | None]:
         """The image processor (the checkpoint's preprocessor_config.json) and the encoder cache, for a model
@@ -236,6 +239,9 @@ class LLMEngine:
                 self.encoder_cache.add(child_id, mm)
             self.scheduler.add(req)
         self.groups[request_id] = group
+        if mm is not None:
+            for listener in self.multimodal_listeners:
+                listener(request_id, ids, mm)
 
     def _multimodal(self, prompt: Any, ids: list[int]) -> tuple[list[int], MultiModalPrompt | None]:
         """A prompt dict's multi_modal_data (vLLM's: {"image": a PIL image or a list of them}): the ids with
