@@ -100,6 +100,11 @@ class ImageProcessor:
             w_bar = math.ceil(width * beta / f) * f
         return h_bar, w_bar
 
+    @property
+    def max_tokens_per_image(self) -> int:
+        """Merged tokens of the largest picture the resize makes (max_pixels of sides divisible by the factor)."""
+        return self.max_pixels // self.factor**2
+
     def num_tokens(self, height: int, width: int) -> int:
         """Merged tokens (<|image_pad|> placeholders) of a height x width picture."""
         h, w = self.resized_size(height, width)

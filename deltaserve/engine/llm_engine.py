@@ -20,7 +20,7 @@ from deltaserve.cache.tensors import allocate_cache, kv_cache_torch_dtype
 from deltaserve.config import ModelConfig
 from deltaserve.engine.config import EngineConfig, EngineConfigError
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.encoder_cache import EncoderCache
+from deltaserve.engine.encoder_cache import EncoderCache, encoder_cache_tokens
 from deltaserve.engine.image_processor import ImageProcessor
 from deltaserve.engine.logits_head import LogitsHead
 from deltaserve.engine.multimodal import MultiModalError, MultiModalPrompt, build_multimodal_prompt
@@ -177,7 +177,9 @@ class LLMEngine:
                 f"preprocessor_config.json cuts (patch, temporal patch, merge) = {mine}, but the vision tower "
                 f"takes {tower}"
             )
-        return processor, EncoderCache()
+        capacity = encoder_cache_tokens(self.config.max_num_batched_tokens, processor.max_tokens_per_image)
+        row_bytes = vision.out_hidden_size * self.model.activation_dtype.itemsize  # one merged token's output
+        return processor, EncoderCache(capacity, row_bytes)
 
     def _model_path(self) -> Path:
         if self.config.model is not None:
