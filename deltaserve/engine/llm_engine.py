@@ -23,6 +23,7 @@ from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.encoder_cache import EncoderCache, encoder_cache_tokens
 from deltaserve.engine.image_processor import ImageProcessor
 from deltaserve.engine.logits_head import LogitsHead
+from deltaserve.engine.media import VIDEO_NOT_SUPPORTED
 from deltaserve.engine.multimodal import MultiModalError, MultiModalPrompt, build_multimodal_prompt
 from deltaserve.engine.output_processor import OutputProcessor
 from deltaserve.engine.request import Request, RequestGroup, RequestStatus
@@ -253,6 +254,8 @@ class LLMEngine:
             return ids, None
         if not isinstance(data, dict):
             raise MultiModalError(f"multi_modal_data must be a dict like {{'image': image}}, got {type(data).__name__}")
+        if "video" in data:
+            raise MultiModalError(f"multi_modal_data 'video': {VIDEO_NOT_SUPPORTED}")
         unknown = sorted(set(data) - {"image"})
         if unknown:
             raise MultiModalError(
