@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from PIL import Image
 from deltaserve.engine.image_processor import ImageProcessor
 from deltaserve.tokenizer import Tokenizer
 from tests.server_process import ServerProcess, running_server
-from tests.test_inspect_server import CHROMIUM, CHROMIUM_ARGS, _browser
+from tests.test_inspect_server import english_page, screenshots_dir
 from tests.vision_checkpoint import PREPROCESSOR, random_hf_vision_model, save_vision_checkpoint
 
 WIDTH, HEIGHT = 70, 45  # resized to 64 x 48: an 8 x 6 patch grid of 8 px, 4 x 3 merged tokens
@@ -111,40 +110,27 @@ def test_picture_undoes_the_patch_order_and_strides_large_pictures():
 
 
 def test_vision_panel_in_headless_chromium(server, asked, tmp_path):
-    sync_api = _browser()
     _, out = asked
-    shots = Path(os.environ.get("DELTASERVE_SCREENSHOTS", tmp_path))
-    shots.mkdir(parents=True, exist_ok=True)
+    shots = screenshots_dir(tmp_path)
     errors: list[str] = []
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1300, "height": 1000}, locale="en-US")
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.set_default_timeout(15000)
-            page.goto(f"{server.url}/inspect")
-            page.wait_for_selector("body[data-ready='1']")
-            if page.text_content("#lang-toggle") == "English":  # start in English whatever the locale
-                page.click("#lang-toggle")
-            page.click("nav button[data-tab=vision]")
-            page.wait_for_selector(f"#vision-request-detail[data-request='{out.id}']")
-            page.wait_for_selector("#vision-grid-0[data-drawn='1']")
-            assert "grid_thw (t, h, w) = (1, 6, 8)" in page.text_content("#vision-grid-thw-0")
-            start = int(page.get_attribute("#vision-sequence .tok[data-kind='image']", "data-start"))
-            assert f"[{start}, {start + 12})" in page.text_content("#vision-span-0")
-            # 64 x 48 drawn 6x (384 x 288): merge blocks are 96 px; (x, y) = (250, 110) is row 1, col 2
-            assert (page.get_attribute("#vision-grid-0", "width"), page.get_attribute("#vision-grid-0", "height")) \
-                == ("384", "288")
-            box = page.locator("#vision-grid-0").bounding_box()  # its 1 px border included
-            page.mouse.move(box["x"] + 1 + 250, box["y"] + 1 + 110)
-            page.wait_for_selector("#vision-tokens-0 tr.sel[data-token='6']")
-            hover = page.text_content("#vision-hover-0")
-            assert f"prompt index {start + 6}" in hover and f"(t, h, w) = ({start}, {start + 1}, {start + 2})" in hover
-            assert page.eval_on_selector_all("#vision-tokens-0 tbody tr", "rs => rs.length") == 12
-            page.screenshot(path=str(shots / "vision.png"), full_page=True)
-            page.click("#lang-toggle")  # to Chinese: the panel renders again from the same data
-            page.wait_for_function("document.querySelector('nav button[data-tab=vision]').textContent === '视觉'")
-            page.wait_for_selector("#vision-grid-0[data-drawn='1']")
-        finally:
-            browser.close()
+    with english_page(server.url, errors) as page:
+        page.click("nav button[data-tab=vision]")
+        page.wait_for_selector(f"#vision-request-detail[data-request='{out.id}']")
+        page.wait_for_selector("#vision-grid-0[data-drawn='1']")
+        assert "grid_thw (t, h, w) = (1, 6, 8)" in page.text_content("#vision-grid-thw-0")
+        start = int(page.get_attribute("#vision-sequence .tok[data-kind='image']", "data-start"))
+        assert f"[{start}, {start + 12})" in page.text_content("#vision-span-0")
+        # 64 x 48 drawn 6x (384 x 288): merge blocks are 96 px; (x, y) = (250, 110) is row 1, col 2
+        assert (page.get_attribute("#vision-grid-0", "width"), page.get_attribute("#vision-grid-0", "height")) \
+            == ("384", "288")
+        box = page.locator("#vision-grid-0").bounding_box()  # its 1 px border included
+        page.mouse.move(box["x"] + 1 + 250, box["y"] + 1 + 110)
+        page.wait_for_selector("#vision-tokens-0 tr.sel[data-token='6']")
+        hover = page.text_content("#vision-hover-0")
+        assert f"prompt index {start + 6}" in hover and f"(t, h, w) = ({start}, {start + 1}, {start + 2})" in hover
+        assert page.eval_on_selector_all("#vision-tokens-0 tbody tr", "rs => rs.length") == 12
+        page.screenshot(path=str(shots / "vision.png"), full_page=True)
+        page.click("#lang-toggle")  # to Chinese: the panel renders again from the same data
+        page.wait_for_function("document.querySelector('nav button[data-tab=vision]').textContent === '视觉'")
+        page.wait_for_selector("#vision-grid-0[data-drawn='1']")
     assert not errors, errors
