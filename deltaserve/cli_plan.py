@@ -1,4 +1,5 @@
-"""`deltaserve plan`: print the memory plan (weights, KV cache, GDN state per TP rank) for a model."""
+"""`deltaserve plan`: print the memory plan (weights, KV cache, GDN state, vision encoder cache per TP rank)
+for a model."""
 
 from __future__ import annotations
 
@@ -26,6 +27,21 @@ def load_plan_config(model: str | None) -> tuple[ModelConfig, str]:
     if known is not None:
         return ModelConfig.from_dict(known), model.lower()
     return ModelConfig.from_file(model), model
+
+
+def max_tokens_per_image(model: str | None, cfg: ModelConfig) -> int | None:
+    """The largest picture's merged tokens by the model directory's preprocessor_config.json, as the engine
+    reads it (None: no directory, or no tower; the planner then takes Qwen3.5's defaults)."""
+    from deltaserve.engine.image_processor import ImageProcessor
+
+    folder = DEMO_MODEL_DIR if model is None else Path(model)
+    if folder.is_file():
+        folder = folder.parent
+    if cfg.vision is None or not folder.is_dir():
+        return None
+    v = cfg.vision
+    processor = ImageProcessor.from_dir(folder, v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
+    return processor.max_tokens_per_image
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -59,7 +75,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                    "(4 per sequence unless --num-gdn-snapshots)")
     p.add_argument("--num-gdn-snapshots", type=int, default=None,
                    help="GDN snapshots to count with --enable-prefix-caching (default 4 x max-num-seqs)")
-    p.add_argument("--no-vision", action="store_true", help="leave the vision tower out of the weights")
+    p.add_argument("--no-vision", action="store_true",
+                   help="leave the vision tower (and its encoder cache) out of the plan")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="one step's token budget, which sizes the vision encoder cache (default: the engine's)")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="also report how many KV blocks fit in this much memory per rank")
     p.set_defaults(func=run_plan)
@@ -80,6 +99,11 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.enable_prefix_caching:
             snapshots = default_num_snapshots(args.max_num_seqs, args.num_gdn_snapshots)
         cfg, name = load_plan_config(args.model)
+        budget = args.max_num_batched_tokens
+        if budget is None:
+            from deltaserve.engine.config import EngineConfig
+
+            budget = EngineConfig().max_num_batched_tokens
         plan = plan_memory(
             cfg,
             max_model_len=args.max_model_len or cfg.max_position_embeddings,
@@ -96,6 +120,8 @@ def run_plan(args: argparse.Namespace) -> int:
             quantization=args.quantization,
             group_size=args.quantization_group_size,
             quantize_lm_head=args.quantize_lm_head,
+            max_num_batched_tokens=budget,
+            max_tokens_per_image=None if args.no_vision else max_tokens_per_image(args.model, cfg),
         )
     except (ValueError, NotImplementedError) as e:  # ConfigError and UnsupportedFeatureError included
         print(f"deltaserve plan: error: {e}", file=sys.stderr)
@@ -192,12 +218,22 @@ def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
     if plan.num_gdn_snapshots:
         row("prefix-cache snapshots", plan.gdn_snapshot_bytes,
             f"({plan.num_gdn_snapshots} snapshots of one slot each)")
+    if plan.encoder_cache_tokens:
+        add("")
+        add("Vision encoder cache (the tower's outputs kept through prefill)")
+        row(f"{plan.encoder_cache_tokens:,} merged tokens", plan.encoder_cache_bytes,
+            f"(max of max-num-batched-tokens {plan.max_num_batched_tokens:,} and the largest picture's "
+            f"{plan.encoder_tokens_per_image:,} tokens, x {plan.encoder_cache_bytes // plan.encoder_cache_tokens:,} B)")
+    elif plan.tp > 1 and any(p.name == "vision tower" and p.included for p in plan.weight_parts):
+        add("")
+        add("Vision encoder cache: none (images are refused under tensor parallelism)")
     add("")
     add(f"Total per rank            {format_bytes(plan.total_bytes):>12}   "
         f"(weights {format_bytes(plan.weight_bytes)}, cache {format_bytes(plan.cache_bytes)}; "
         "activations not included)")
     if gpu_memory_bytes is not None:
-        free = gpu_memory_bytes - plan.weight_bytes - plan.gdn_state_bytes - plan.gdn_snapshot_bytes
+        free = (gpu_memory_bytes - plan.weight_bytes - plan.gdn_state_bytes - plan.gdn_snapshot_bytes
+                - plan.encoder_cache_bytes)
         blocks = max(0, free) // plan.kv_bytes_per_block if plan.kv_bytes_per_block else 0
         add(f"With {format_bytes(gpu_memory_bytes)} per rank: {blocks:,} KV blocks fit after weights and "
             f"{plan.max_num_seqs} GDN slots = {blocks * plan.block_size:,} cached tokens, "

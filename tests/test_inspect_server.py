@@ -4,6 +4,7 @@ mounted): the live view's SSE stream while a batch of requests runs through /v1,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -12,7 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -162,67 +165,80 @@ def _browser():
     return sync_api
 
 
-def test_page_in_headless_chromium(server: str, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def english_page(base: str, errors: list[str]) -> Iterator[Any]:
+    """The inspector of the server at `base` in a headless Chromium, loaded and in English whatever the
+    locale; the page's errors are appended to `errors`."""
     sync_api = _browser()
-    shots = Path(os.environ.get("DELTASERVE_SCREENSHOTS", tmp_path))
-    shots.mkdir(parents=True, exist_ok=True)
-    errors: list[str] = []
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1300, "height": 1000}, locale="en-US")
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.set_default_timeout(15000)
-            page.goto(f"{server}/inspect")
+            page.goto(f"{base}/inspect")
             page.wait_for_selector("body[data-ready='1']")
-            if page.text_content("#lang-toggle") == "English":  # start in English whatever the locale
+            if page.text_content("#lang-toggle") == "English":
                 page.click("#lang-toggle")
-            page.fill("#prompt", "猫坐在垫上。The cat sat.")
-            page.click("#run-trace")
-            page.wait_for_selector("#layer-table tr.layer-row")
-            types = page.eval_on_selector_all("#layer-table tr.layer-row",
-                                              "rs => rs.map(r => r.dataset.type)")
-            assert types == ["gdn", "gdn", "gdn", "attention"] * 2
-            chips = page.eval_on_selector_all("#tokens .tok", "ts => ts.length")
-            assert chips >= 8
-            page.click("#layer-table tr.layer-row[data-layer='3']")
-            page.wait_for_selector("#layer-detail [data-layer='3'] #ops")
-            assert "softmax" in page.text_content("#layer-detail")
-            page.select_option("#tp", "2")
-            page.wait_for_selector("#layer-detail [data-layer='3'][data-tp='2'] #ops")
-            page.screenshot(path=str(shots / "trace.png"), full_page=True)
-
-            page.click("nav button[data-tab=gdn]")
-            page.wait_for_selector("#gdn-states canvas")
-            assert page.eval_on_selector_all("#gdn-states .state-card", "c => c.length") == chips
-            page.select_option("#gdn-head", "5")
-            page.wait_for_function("document.querySelector('#gdn-head').value === '5'")
-            page.screenshot(path=str(shots / "gdn.png"), full_page=True)
-
-            page.click("nav button[data-tab=attn]")
-            page.wait_for_selector("#rope")
-            assert page.eval_on_selector_all(".head-card[data-head]", "c => c.length") == 6
-            page.screenshot(path=str(shots / "attention.png"), full_page=True)
-
-            page.click("#lang-toggle")  # to Chinese
-            page.wait_for_function(
-                "document.querySelector('nav button[data-tab=attn]').textContent === '注意力实验台'"
-            )
-            assert "注意力权重" in page.text_content("#attn-out")
-            page.click("nav button[data-tab=plan]")
-            page.wait_for_selector("#plan-table")
-            assert "Qwen3.5-27B" in page.text_content("#plan-table")
-            page.click("nav button[data-tab=live]")
-            page.wait_for_selector("#live-conn")
-            page.wait_for_function("document.querySelector('#live-conn').textContent.includes('已连接')")
-            threading.Thread(target=_send_batch, args=(server, 4, 48), daemon=True).start()
-            page.wait_for_selector("#live-step:not([data-running='0']) #budget-bar")
-            page.wait_for_selector("#block-grid")
-            page.wait_for_selector("#prefix-stats")  # prefix caching is on by default
-            assert "GDN 快照" in page.text_content("#prefix-cache")
-            page.screenshot(path=str(shots / "live_zh.png"), full_page=True)
+            yield page
         finally:
             browser.close()
+
+
+def screenshots_dir(tmp_path: Path) -> Path:
+    shots = Path(os.environ.get("DELTASERVE_SCREENSHOTS", tmp_path))
+    shots.mkdir(parents=True, exist_ok=True)
+    return shots
+
+
+def test_page_in_headless_chromium(server: str, tmp_path: Path) -> None:
+    shots = screenshots_dir(tmp_path)
+    errors: list[str] = []
+    with english_page(server, errors) as page:
+        page.fill("#prompt", "猫坐在垫上。The cat sat.")
+        page.click("#run-trace")
+        page.wait_for_selector("#layer-table tr.layer-row")
+        types = page.eval_on_selector_all("#layer-table tr.layer-row",
+                                          "rs => rs.map(r => r.dataset.type)")
+        assert types == ["gdn", "gdn", "gdn", "attention"] * 2
+        chips = page.eval_on_selector_all("#tokens .tok", "ts => ts.length")
+        assert chips >= 8
+        page.click("#layer-table tr.layer-row[data-layer='3']")
+        page.wait_for_selector("#layer-detail [data-layer='3'] #ops")
+        assert "softmax" in page.text_content("#layer-detail")
+        page.select_option("#tp", "2")
+        page.wait_for_selector("#layer-detail [data-layer='3'][data-tp='2'] #ops")
+        page.screenshot(path=str(shots / "trace.png"), full_page=True)
+
+        page.click("nav button[data-tab=gdn]")
+        page.wait_for_selector("#gdn-states canvas")
+        assert page.eval_on_selector_all("#gdn-states .state-card", "c => c.length") == chips
+        page.select_option("#gdn-head", "5")
+        page.wait_for_function("document.querySelector('#gdn-head').value === '5'")
+        page.screenshot(path=str(shots / "gdn.png"), full_page=True)
+
+        page.click("nav button[data-tab=attn]")
+        page.wait_for_selector("#rope")
+        assert page.eval_on_selector_all(".head-card[data-head]", "c => c.length") == 6
+        page.screenshot(path=str(shots / "attention.png"), full_page=True)
+
+        page.click("#lang-toggle")  # to Chinese
+        page.wait_for_function(
+            "document.querySelector('nav button[data-tab=attn]').textContent === '注意力实验台'"
+        )
+        assert "注意力权重" in page.text_content("#attn-out")
+        page.click("nav button[data-tab=plan]")
+        page.wait_for_selector("#plan-table")
+        assert "Qwen3.5-27B" in page.text_content("#plan-table")
+        page.click("nav button[data-tab=live]")
+        page.wait_for_selector("#live-conn")
+        page.wait_for_function("document.querySelector('#live-conn').textContent.includes('已连接')")
+        threading.Thread(target=_send_batch, args=(server, 4, 48), daemon=True).start()
+        page.wait_for_selector("#live-step:not([data-running='0']) #budget-bar")
+        page.wait_for_selector("#block-grid")
+        page.wait_for_selector("#prefix-stats")  # prefix caching is on by default
+        assert "GDN 快照" in page.text_content("#prefix-cache")
+        page.screenshot(path=str(shots / "live_zh.png"), full_page=True)
     assert not errors, errors
 
 

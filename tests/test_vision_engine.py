@@ -188,8 +188,10 @@ def test_bad_multimodal_inputs_get_errors_that_name_the_problem(hf, ckpt, tmp_pa
         run(llm, [(PROMPT, [PICTURES[0]])])
     with pytest.raises(MultiModalError, match="more than the limit of 1"):
         run(llm, [(PROMPT, PICTURES)])
-    with pytest.raises(MultiModalError, match="video and audio inputs are not implemented"):
+    with pytest.raises(MultiModalError, match="'video': video input is not supported: at most 0 video"):
         llm.generate({"prompt_token_ids": PROMPT, "multi_modal_data": {"video": [PICTURES[0]]}}, use_tqdm=False)
+    with pytest.raises(MultiModalError, match="video and audio inputs are not implemented"):
+        llm.generate({"prompt_token_ids": PROMPT, "multi_modal_data": {"audio": [PICTURES[0]]}}, use_tqdm=False)
     with pytest.raises(EngineConfigError, match="video is not supported"):
         LLM(str(ckpt), limit_mm_per_prompt={"video": 1})
     assert not llm.engine.encoder_cache.prompts

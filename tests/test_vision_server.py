@@ -127,6 +127,9 @@ def test_every_bad_image_gets_a_400_that_names_the_problem(client, media, web, t
     assert "scheme 'ftp' is not supported" in bad(client, "ftp://127.0.0.1/a.png")
     assert "'input_audio' is not supported" in bad(
         client, content=[{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}])
+    video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    assert ("messages[0].content[0]: video input is not supported: at most 0 video(s) may be provided in one "
+            "request") in bad(client, content=[video, {"type": "text", "text": QUESTION}])
     # the server is fine after all of them
     assert isinstance(ask(client, data_url((media / "a.png").read_bytes())), str)
 

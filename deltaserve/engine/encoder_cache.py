@@ -3,7 +3,11 @@
 The tower runs in the first step that needs any of an image's tokens; its merged tokens stay here until
 the request's prefill has passed the whole image, so a chunked prefill that cuts through an image takes
 the rest from here in the next step instead of encoding again. Preemption drops a request's outputs (its
-recomputation encodes again), a finish or abort drops everything of it."""
+recomputation encodes again), a finish or abort drops everything of it.
+
+It holds at most `capacity_tokens` merged tokens (encoder_cache_tokens, vLLM's arithmetic, which
+`deltaserve plan` counts too): the scheduler cuts a chunk before an image that would overfill it, so that
+image waits until requests ahead of it have passed theirs."""
 
 from __future__ import annotations
 
@@ -16,12 +20,23 @@ from deltaserve.engine.multimodal import MultiModalPrompt
 Encoder = Callable[[torch.Tensor, list[tuple[int, int, int]]], torch.Tensor]
 
 
+def encoder_cache_tokens(max_num_batched_tokens: int, max_tokens_per_image: int) -> int:
+    """The encoder cache's capacity in merged tokens, as vLLM sizes it (compute_encoder_budget:
+    max(max_num_batched_tokens, the largest item's tokens)): one step's token budget, or one largest picture
+    if that is more, since a picture's tokens are encoded and kept whole."""
+    return max(max_num_batched_tokens, max_tokens_per_image)
+
+
 class EncoderCache:
-    def __init__(self) -> None:
+    def __init__(self, capacity_tokens: int, bytes_per_token: int) -> None:
+        """bytes_per_token: one merged token's output row (the text width in the activation dtype)."""
+        self.capacity_tokens = capacity_tokens
+        self.bytes_per_token = bytes_per_token
         self.prompts: dict[str, MultiModalPrompt] = {}  # request id -> its images and mRoPE positions
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}  # (request id, image index) -> [n, H]
         self.num_encoded = 0  # images run through the tower, all steps
         self.num_encoded_tokens = 0  # their merged tokens
+        self.max_cached_tokens = 0  # the most merged tokens held at once, all steps (capacity_tokens bounds it)
 
     def add(self, request_id: str, prompt: MultiModalPrompt) -> None:
         self.prompts[request_id] = prompt
@@ -45,22 +60,37 @@ class EncoderCache:
             if image.end <= num_computed_tokens:
                 self.outputs.pop((request_id, i), None)
 
-    def clip_to_budget(self, request_id: str, start: int, n: int, budget: int, fresh: bool) -> tuple[int, int]:
+    def clip_to_budget(self, request_id: str, start: int, n: int, budget: int, spent: int) -> tuple[int, int]:
         """The scheduler's encoder budget: a chunk [start, start+n) must encode every image it reaches that
-        is not encoded yet, whole. Returns the chunk length that stays within `budget` merged tokens (it ends
-        before the first image that does not fit) and what it spends. `fresh`: nothing was spent this step,
-        so an image larger than the whole budget still runs (alone), or the request could never progress."""
+        is not encoded yet, whole. Returns the chunk length that stays within `budget` merged tokens a step
+        (`spent` of it already spent this step) and within the cache's capacity (it ends before the first
+        image that does not fit), and what it spends. An image larger than the whole budget still runs alone
+        in a step, and one larger than the capacity alone in an empty cache, or its request could never
+        progress."""
         prompt = self.prompts.get(request_id)
         if prompt is None:
             return n, 0
+        cached = self.num_cached_tokens
         cost = 0
         for i, image in enumerate(prompt.images):
             if image.end <= start or image.offset >= start + n or (request_id, i) in self.outputs:
                 continue
-            if cost + image.num_tokens > budget and not (fresh and cost == 0):
+            first = spent + cost == 0  # the first image this step
+            over_step = spent + cost + image.num_tokens > budget and not first
+            over_cache = cached + spent + cost + image.num_tokens > self.capacity_tokens and not (first and cached == 0)
+            if over_step or over_cache:
                 return max(image.offset - start, 0), cost
             cost += image.num_tokens
         return n, cost
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Merged tokens held now."""
+        return sum(t.shape[0] for t in self.outputs.values())
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_tokens * self.bytes_per_token
 
     @property
     def num_bytes(self) -> int:
@@ -91,6 +121,7 @@ class EncoderCache:
                 self.outputs[key] = part
             self.num_encoded += len(keys)
             self.num_encoded_tokens += merged.shape[0]
+            self.max_cached_tokens = max(self.max_cached_tokens, self.num_cached_tokens)
         rows, embeds = [], []
         for rid, i, image, lo, hi, first_row in hits:
             embeds.append(self.outputs[(rid, i)][lo - image.offset : hi - image.offset])

@@ -35,6 +35,7 @@ MAX_ASPECT = 200  # transformers' smart_resize refuses anything more elongated
 class ProcessedImage:
     pixel_values: torch.Tensor  # [t*h*w, C * temporal * patch * patch] float32
     grid: tuple[int, int, int]  # (t, h, w) in patches
+    source_size: tuple[int, int] | None = None  # (width, height) of the picture as sent, before the resize
 
 
 @dataclass(slots=True)
@@ -99,6 +100,11 @@ class ImageProcessor:
             w_bar = math.ceil(width * beta / f) * f
         return h_bar, w_bar
 
+    @property
+    def max_tokens_per_image(self) -> int:
+        """Merged tokens of the largest picture the resize makes (max_pixels of sides divisible by the factor)."""
+        return self.max_pixels // self.factor**2
+
     def num_tokens(self, height: int, width: int) -> int:
         """Merged tokens (<|image_pad|> placeholders) of a height x width picture."""
         h, w = self.resized_size(height, width)
@@ -118,7 +124,9 @@ class ImageProcessor:
         mean = np.array(self.image_mean, dtype=np.float32)[:, None, None]
         std = np.array(self.image_std, dtype=np.float32)[:, None, None]
         pixels = (pixels - mean) / std
-        return self._patchify(pixels)
+        processed = self._patchify(pixels)
+        processed.source_size = (image.width, image.height)
+        return processed
 
     def _patchify(self, image: np.ndarray) -> ProcessedImage:
         p, m, tp = self.patch_size, self.merge_size, self.temporal_patch_size
@@ -128,6 +136,26 @@ class ImageProcessor:
         patches = np.broadcast_to(patches[:, :, :, :, :, None], (*patches.shape[:5], tp, p, p))
         flat = np.ascontiguousarray(patches).reshape(gh * gw, c * tp * p * p)
         return ProcessedImage(torch.from_numpy(flat), (1, gh, gw))
+
+
+    def picture(self, pixel_values: torch.Tensor, grid: tuple[int, int, int], max_side: int | None = None
+                ) -> np.ndarray:
+        """The first frame as the tower sees it (resized), uint8 [H, W, 3]: _patchify and the normalization
+        undone. max_side: keep every s-th pixel of each patch (s divides the patch size) so the longest side is
+        at most max_side where the patch allows, reading only those pixels (cheap on a large picture)."""
+        p, m, tp = self.patch_size, self.merge_size, self.temporal_patch_size
+        _, gh, gw = grid
+        c = pixel_values.shape[1] // (tp * p * p)
+        s = 1
+        if max_side is not None:
+            s = next((d for d in range(1, p + 1) if p % d == 0 and max(gh, gw) * (p // d) <= max_side), p)
+        x = pixel_values[: gh * gw].reshape(gh // m, gw // m, m, m, c, tp, p, p)[:, :, :, :, :, 0, ::s, ::s]
+        q = x.shape[-1]
+        x = x.permute(4, 0, 2, 5, 1, 3, 6).reshape(c, gh * q, gw * q).numpy()  # [C, H, W]
+        mean = np.array(self.image_mean, dtype=np.float32)[:, None, None]
+        std = np.array(self.image_std, dtype=np.float32)[:, None, None]
+        values = (x * std + mean) / self.rescale_factor
+        return np.clip(np.rint(values), 0, 255).astype(np.uint8).transpose(1, 2, 0)
 
 
 def _to_rgb(image: Any) -> Any:

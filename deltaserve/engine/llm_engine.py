@@ -20,9 +20,10 @@ from deltaserve.cache.tensors import allocate_cache, kv_cache_torch_dtype
 from deltaserve.config import ModelConfig
 from deltaserve.engine.config import EngineConfig, EngineConfigError
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.encoder_cache import EncoderCache
+from deltaserve.engine.encoder_cache import EncoderCache, encoder_cache_tokens
 from deltaserve.engine.image_processor import ImageProcessor
 from deltaserve.engine.logits_head import LogitsHead
+from deltaserve.engine.media import VIDEO_NOT_SUPPORTED
 from deltaserve.engine.multimodal import MultiModalError, MultiModalPrompt, build_multimodal_prompt
 from deltaserve.engine.output_processor import OutputProcessor
 from deltaserve.engine.request import Request, RequestGroup, RequestStatus
@@ -158,6 +159,9 @@ class LLMEngine:
         self.last_schedule: SchedulerOutput | None = None
         # Called after every step with its SchedulerOutput (metrics, the inspector's step trace).
         self.step_listeners: list[Callable[[SchedulerOutput], None]] = []
+        # Called for every accepted request with images: its id, its expanded prompt ids and its images with
+        # their mRoPE positions (the inspector's vision panel).
+        self.multimodal_listeners: list[Callable[[str, list[int], MultiModalPrompt], None]] = []
 
     def _vision_inputs(self, path: Path) -> tuple[ImageProcessor | None, EncoderCache | None]:
         """The image processor (the checkpoint's preprocessor_config.json) and the encoder cache, for a model
@@ -174,7 +178,9 @@ class LLMEngine:
                 f"preprocessor_config.json cuts (patch, temporal patch, merge) = {mine}, but the vision tower "
                 f"takes {tower}"
             )
-        return processor, EncoderCache()
+        capacity = encoder_cache_tokens(self.config.max_num_batched_tokens, processor.max_tokens_per_image)
+        row_bytes = vision.out_hidden_size * self.model.activation_dtype.itemsize  # one merged token's output
+        return processor, EncoderCache(capacity, row_bytes)
 
     def _model_path(self) -> Path:
         if self.config.model is not None:
@@ -236,6 +242,9 @@ class LLMEngine:
                 self.encoder_cache.add(child_id, mm)
             self.scheduler.add(req)
         self.groups[request_id] = group
+        if mm is not None:
+            for listener in self.multimodal_listeners:
+                listener(request_id, ids, mm)
 
     def _multimodal(self, prompt: Any, ids: list[int]) -> tuple[list[int], MultiModalPrompt | None]:
         """A prompt dict's multi_modal_data (vLLM's: {"image": a PIL image or a list of them}): the ids with
@@ -245,6 +254,8 @@ class LLMEngine:
             return ids, None
         if not isinstance(data, dict):
             raise MultiModalError(f"multi_modal_data must be a dict like {{'image': image}}, got {type(data).__name__}")
+        if "video" in data:
+            raise MultiModalError(f"multi_modal_data 'video': {VIDEO_NOT_SUPPORTED}")
         unknown = sorted(set(data) - {"image"})
         if unknown:
             raise MultiModalError(

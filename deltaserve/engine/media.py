@@ -23,6 +23,10 @@ class MediaError(ValueError):
 # What the Qwen3.5 chat template writes for an image part: the engine expands the pad to the image's tokens.
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 PART_TYPES = ("text", "image_url", "image_pil")
+VIDEO_PART_TYPES = ("video_url", "video")  # OpenAI-style video_url; vLLM's offline "video" part
+# vLLM's words for a modality a model does not take (its limit is 0), with what to send instead.
+VIDEO_NOT_SUPPORTED = ("video input is not supported: at most 0 video(s) may be provided in one request; "
+                       "deltaserve takes images only, so send frames as image_url parts")
 
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # a decoded picture larger than this is refused (decompression bombs)
 
@@ -134,6 +138,8 @@ def content_parts(content: list[dict[str, Any]], where: str) -> list[tuple[str, 
             out.append(("image_pil", part["image_pil"]))
         elif kind == "text":
             raise MediaError(f"{at}: a text part needs a string 'text'")
+        elif kind in VIDEO_PART_TYPES:
+            raise MediaError(f"{at}: {VIDEO_NOT_SUPPORTED}")
         else:
             raise MediaError(f"{at}: content part type {kind!r} is not supported; accepted: {', '.join(PART_TYPES)} "
                              "(video and audio inputs are not implemented)")

@@ -26,6 +26,7 @@ class PromptImage:
     pixel_values: torch.Tensor  # [t*h*w, patch_dim]
     grid: tuple[int, int, int]
     hash: str
+    source_size: tuple[int, int] | None = None  # (width, height) as sent, before the processor's resize
 
     @property
     def end(self) -> int:
@@ -75,7 +76,7 @@ def build_multimodal_prompt(
         cursor = start + length
     out += ids[cursor:]
     positions, delta = mrope_positions(len(out), [(o, im.grid) for o, _, im in placed], merge)
-    prompt_images = [PromptImage(o, n, im.pixel_values, im.grid, _hash(im)) for o, n, im in placed]
+    prompt_images = [PromptImage(o, n, im.pixel_values, im.grid, _hash(im), im.source_size) for o, n, im in placed]
     return out, MultiModalPrompt(prompt_images, positions, delta)
 
 

@@ -1,8 +1,8 @@
-"""Memory planner: how many bytes the weights, the paged KV cache of the attention layers and the
-per-sequence GDN states take, per tensor-parallel rank, for a workload. The cache arithmetic is
-deltaserve/cache/sizing.py's, the same functions the engine sizes its pools with, so the two can never
-disagree; per-rank head counts are deltaserve/model/sharding.py's; `deltaserve plan` prints the plan
-(deltaserve/cli_plan.py)."""
+"""Memory planner: how many bytes the weights, the paged KV cache of the attention layers, the
+per-sequence GDN states and the vision encoder cache take, per tensor-parallel rank, for a workload. The
+cache arithmetic is deltaserve/cache/sizing.py's (and engine/encoder_cache.py's), the same functions the
+engine sizes its pools with, so the two can never disagree; per-rank head counts are
+deltaserve/model/sharding.py's; `deltaserve plan` prints the plan (deltaserve/cli_plan.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ from deltaserve.cache.sizing import (
     kv_bytes_per_token_per_layer,
     num_kv_cache_layers,
 )
-from deltaserve.config import ModelConfig
+from deltaserve.config import ModelConfig, VisionConfig
+from deltaserve.engine.encoder_cache import encoder_cache_tokens
+from deltaserve.engine.image_processor import ImageProcessor
 from deltaserve.model.linear import Linear, quantizable
 from deltaserve.model.sharding import RankShape, rank_shape
 from deltaserve.ops.formats import WeightFormat
@@ -320,6 +322,11 @@ class MemoryPlan:
     # GDN state snapshots of prefix caching (per rank): each the size of one slot
     num_gdn_snapshots: int = 0
     gdn_snapshot_bytes: int = 0
+    # the vision tower's outputs kept for prefill (engine/encoder_cache.py's capacity); 0 without images
+    max_num_batched_tokens: int = 0
+    encoder_tokens_per_image: int = 0  # merged tokens of the largest picture the processor makes
+    encoder_cache_tokens: int = 0
+    encoder_cache_bytes: int = 0
     # weights (per rank)
     weight_parts: list[WeightPart] = field(default_factory=list)
     weight_bytes: int = 0
@@ -337,7 +344,15 @@ class MemoryPlan:
 
     @property
     def cache_bytes(self) -> int:
-        return self.kv_cache_bytes + self.gdn_state_bytes + self.gdn_snapshot_bytes
+        return self.kv_cache_bytes + self.gdn_state_bytes + self.gdn_snapshot_bytes + self.encoder_cache_bytes
+
+
+def default_max_tokens_per_image(vision: VisionConfig) -> int:
+    """The largest picture's merged tokens for a checkpoint without a preprocessor_config.json (the engine
+    then uses Qwen3.5's defaults with the tower's patch sizes, ImageProcessor.from_dir)."""
+    cut = dict(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+               merge_size=vision.spatial_merge_size)
+    return ImageProcessor.from_dict(cut).max_tokens_per_image
 
 
 def plan_memory(
@@ -356,12 +371,17 @@ def plan_memory(
     quantization: str | None = None,
     group_size: int | None = None,
     quantize_lm_head: bool = True,
+    max_num_batched_tokens: int = 2048,
+    max_tokens_per_image: int | None = None,
 ) -> MemoryPlan:
     """Worst-case memory per TP rank for max_num_seqs sequences of max_model_len tokens each: every sequence
     holds ceil(max_model_len / block_size) KV blocks and one GDN state slot; prefix caching adds
-    num_gdn_snapshots GDN state snapshots. `dtype` is the activation /
+    num_gdn_snapshots GDN state snapshots; a loaded vision tower adds the encoder cache's capacity
+    (encoder_cache_tokens of max_num_batched_tokens and max_tokens_per_image, the largest picture's merged
+    tokens: default Qwen3.5's processor) in the activation dtype. `dtype` is the activation /
     model dtype (default the config's); it sets 'auto' KV and the conv state."""
-    sizes = (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs), ("block_size", block_size))
+    sizes = (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs), ("block_size", block_size),
+             ("max_num_batched_tokens", max_num_batched_tokens))
     for name, value in sizes:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -388,6 +408,12 @@ def plan_memory(
     weight_bytes = sum(p.total_bytes_per_rank for p in parts if p.included)
     active_bytes = sum(p.total_active_bytes_per_rank for p in parts if p.included and p.name != "vision tower")
 
+    per_image = encoder_tokens = encoder_bytes = 0
+    if cfg.vision is not None and include_vision and tp == 1:  # under TP the engine refuses images
+        per_image = default_max_tokens_per_image(cfg.vision) if max_tokens_per_image is None else max_tokens_per_image
+        encoder_tokens = encoder_cache_tokens(max_num_batched_tokens, per_image)
+        encoder_bytes = encoder_tokens * cfg.vision.out_hidden_size * DTYPE_BYTES[model_dtype]
+
     by_name = {p.name: p for p in parts}
     text_parts = [p for p in parts if p.name not in ("MTP", "vision tower")]
     text_params = sum(p.total_params for p in text_parts)
@@ -404,6 +430,8 @@ def plan_memory(
         gdn_recurrent_bytes_per_layer=rec, gdn_conv_bytes_per_layer=conv, gdn_state_bytes_per_seq=per_seq,
         gdn_state_bytes=per_seq * max_num_seqs,
         num_gdn_snapshots=num_gdn_snapshots, gdn_snapshot_bytes=per_seq * num_gdn_snapshots,
+        max_num_batched_tokens=max_num_batched_tokens, encoder_tokens_per_image=per_image,
+        encoder_cache_tokens=encoder_tokens, encoder_cache_bytes=encoder_bytes,
         weight_parts=parts, weight_bytes=weight_bytes, quantization=quantization or "", text_params=text_params,
         active_weight_bytes=active_bytes,
         active_params=sum(p.count * p.active_params for p in text_parts),

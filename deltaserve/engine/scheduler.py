@@ -88,7 +88,7 @@ class Scheduler:
         self.output = output
         self.num_lookahead_tokens = num_lookahead_tokens
         self.encoder_cache = encoder_cache
-        self._encoder_budget = 0  # what is left of this step's encoder budget (set by schedule())
+        self._encoder_spent = 0  # merged tokens this step's chunks encode so far (reset by schedule())
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the newest is preempted first
         self.num_preemptions = 0
@@ -103,8 +103,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        # The vision tower's budget, in merged tokens (vLLM's max_num_encoder_input_tokens default).
-        self._encoder_budget = self.max_num_batched_tokens
+        # The vision tower's budget is max_num_batched_tokens merged tokens a step (vLLM's
+        # max_num_encoder_input_tokens default).
+        self._encoder_spent = 0
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         now = time.monotonic()
@@ -136,7 +137,7 @@ class Scheduler:
                 break
             scheduled.append(self._entry(req, n, drafts))
             budget -= n
-            self._encoder_budget -= encoder_cost
+            self._encoder_spent += encoder_cost
             i += 1
 
         # Nothing new joins while running requests were just evicted for space: they come back first.
@@ -160,15 +161,16 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(self._entry(req, n))
             budget -= n
-            self._encoder_budget -= encoder_cost
+            self._encoder_spent += encoder_cost
         return SchedulerOutput(scheduled, len(self.waiting), len(self.running), preempted)
 
     def _clip_for_encoder(self, req: Request, start: int, n: int) -> tuple[int, int]:
-        """The chunk cut before the first image the encoder budget has no room for, and its encoder cost."""
+        """The chunk cut before the first image the encoder budget (or cache) has no room for, and its encoder
+        cost."""
         if self.encoder_cache is None:
             return n, 0
-        fresh = self._encoder_budget == self.max_num_batched_tokens
-        return self.encoder_cache.clip_to_budget(req.request_id, start, n, self._encoder_budget, fresh)
+        return self.encoder_cache.clip_to_budget(req.request_id, start, n, self.max_num_batched_tokens,
+                                                 self._encoder_spent)
 
     def _reserve_lookahead(self, req: Request, n: int, drafts: int = 0) -> None:
         """Room for the draft positions the MTP head writes after a step that samples (it drafts from the

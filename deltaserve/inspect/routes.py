@@ -25,6 +25,7 @@ from deltaserve.inspect.plan_view import allocated_cache, memory_plans
 from deltaserve.inspect.shapes import layer_detail
 from deltaserve.inspect.tokens import TraceInputError, token_view, tokenize_input
 from deltaserve.inspect.trace import attention_lab, forward_trace, gdn_state_lab, layer_kind
+from deltaserve.inspect.vision import VisionRecorder
 from deltaserve.serve.errors import error_response
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -51,6 +52,7 @@ class InspectorState:
         self.model = engine.model
         self.tokenizer = engine.tokenizer
         self.bus = StepEventBus(engine)
+        self.vision = VisionRecorder(engine)
         self.lock = threading.Lock()
         self.traces: OrderedDict[str, list[int]] = OrderedDict()
 
@@ -165,6 +167,17 @@ def build_inspect_router(engine: Any) -> APIRouter:
         dtype = state.model.activation_dtype
         return await guarded(memory_plans, state.model.config, dtype, max_model_len, max_num_seqs,
                              kv_cache_dtype, tp or state.tp, allocated_cache(state.engine))
+
+    @router.get("/api/vision")
+    async def vision() -> dict[str, Any]:
+        return state.vision.summary()
+
+    @router.get("/api/vision/request")
+    async def vision_request(request_id: str) -> Response:
+        try:  # not behind the trace lock: it reads a record, computes nothing
+            return JSONResponse(await asyncio.to_thread(state.vision.request, request_id, state.tokenizer))
+        except LookupError as e:
+            return error_response(404, str(e))
 
     @router.get("/api/live", response_class=StreamingResponse,
                 responses={200: {"description": "Server-sent events: status, then steps.",

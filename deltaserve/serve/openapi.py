@@ -32,7 +32,7 @@ _OPEN_WITH_KEY = ("/health",)
 _MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models/{model_id}", "/tokenize",
                  "/detokenize")
 _GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
-_LOOKUP_ROUTES = ("/inspect/api/gdn_state", "/inspect/api/attention")
+_LOOKUP_ROUTES = ("/inspect/api/gdn_state", "/inspect/api/attention", "/inspect/api/vision/request")
 _STREAMING_ROUTES = _GENERATION_ROUTES  # "stream": true answers with server-sent events
 
 
@@ -67,7 +67,7 @@ def install_openapi(app: FastAPI, api_key: bool) -> None:
                 if path in _MODEL_ROUTES:
                     responses["404"] = _error("The model is not the one this server serves")
                 if path in _LOOKUP_ROUTES:
-                    responses["404"] = _error("The trace id is unknown or expired")
+                    responses["404"] = _error("The trace or request id is unknown or expired")
                 if "requestBody" in op:
                     responses["413"] = _error("The body is larger than --max-request-body-bytes")
                 if path in _GENERATION_ROUTES:

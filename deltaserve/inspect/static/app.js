@@ -7,8 +7,9 @@ import * as gdnView from "./gdn_view.js";
 import * as attnView from "./attn_view.js";
 import * as planView from "./plan_view.js";
 import * as liveView from "./live_view.js";
+import * as visionView from "./vision_view.js";
 
-const views = { trace: traceView, gdn: gdnView, attn: attnView, plan: planView, live: liveView };
+const views = { trace: traceView, gdn: gdnView, attn: attnView, plan: planView, live: liveView, vision: visionView };
 let current = "trace";
 
 function showTab(name) {
