@@ -394,15 +394,27 @@ def test_server_metrics_export_the_spec_counters(agreeable: Path) -> None:
     assert f'{name}_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {pos0}' in text
 
 
-def test_accepted_drafts_share_their_step_time_in_inter_token_latencies(agreeable: Path) -> None:
-    """A verify step emits several tokens at once: their inter-token latencies split the time since the
-    request's last token evenly (no zero gaps), so they add up to the decode time."""
+def test_inter_token_latencies_count_steps_as_vllm_does(agreeable: Path) -> None:
+    """A verify step emits several tokens at once: like vLLM, it records one inter-token latency (the time
+    since the request's previous tokens), not one per token (zeros for the accepted drafts); the gaps add
+    up to the decode time, and the time per output token is that time over the tokens after the first,
+    which the server exports as request_time_per_output_token_seconds."""
+    from deltaserve.serve.metrics import ServerMetrics
+
     llm = LLM(model=str(agreeable), max_model_len=256, speculative_config=spec(3))
+    metrics = ServerMetrics("m")
     out = llm.generate(_prompts(6, seed=5), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                        use_tqdm=False)
     assert llm.engine.stats().spec.num_accepted_tokens > 0
     for o in out:
-        m = o.metrics
-        assert len(m.inter_token_latencies) == len(o.outputs[0].token_ids) - 1
+        m, tokens = o.metrics, len(o.outputs[0].token_ids)
+        assert len(m.inter_token_latencies) == tokens - 1 - o.spec.num_accepted_tokens
         assert min(m.inter_token_latencies) > 0
         assert sum(m.inter_token_latencies) == pytest.approx(m.last_token_time - m.first_token_time, rel=1e-9)
+        assert m.num_generation_tokens == tokens
+        assert m.time_per_output_token == pytest.approx((m.last_token_time - m.first_token_time) / (tokens - 1))
+        metrics.on_output(o)
+    text = metrics.render().decode()
+    assert 'deltaserve:request_time_per_output_token_seconds_count{model_name="m"} 6.0' in text
+    gaps = sum(len(o.metrics.inter_token_latencies) for o in out)
+    assert f'deltaserve:inter_token_latency_seconds_count{{model_name="m"}} {float(gaps)}' in text

@@ -150,6 +150,7 @@ class RequestGroup:
             else None,
             num_preemptions=sum(c.metrics.num_preemptions for c in self.children),
             inter_token_latencies=list(m.inter_token_latencies),
+            num_generation_tokens=max(c.metrics.num_generation_tokens for c in self.children),
         )
         spec = None
         for c in self.children:

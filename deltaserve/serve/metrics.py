@@ -102,7 +102,14 @@ class ServerMetrics:
         ).labels(model_name)
         self.itl = Histogram(
             "deltaserve:inter_token_latency_seconds",
-            "Gap between consecutive output tokens.",
+            "Gap between consecutive steps that emit a request's output tokens.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.tpot = Histogram(
+            "deltaserve:request_time_per_output_token_seconds",
+            "Decode time per output token after the first, per request.",
             labels,
             buckets=_ITL_BUCKETS,
             registry=r,
@@ -195,6 +202,8 @@ class ServerMetrics:
         if m is not None:
             for gap in m.inter_token_latencies:
                 self.itl.observe(gap)
+            if m.time_per_output_token is not None:
+                self.tpot.observe(m.time_per_output_token)
             if m.e2e_latency is not None:
                 self.e2e.observe(m.e2e_latency)
 
