@@ -179,7 +179,7 @@ def test_where_drafting_does_not_pay_requests_drop_their_mtp_upkeep(agreeable: P
     without drafting drops its MTP upkeep, so once every request has, steps run no MTP pass and cost what
     plain steps do; greedy output stays plain greedy. Where drafting pays, nobody drops it."""
     prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in _prompts(8, seed=11)]
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in
             LLM(model=str(agreeable), max_model_len=256).generate(prompts, params, use_tqdm=False)]
     for costs in (COMPUTE_BOUND, MEMORY_BOUND):

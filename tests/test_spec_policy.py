@@ -11,6 +11,7 @@ import pytest
 from deltaserve.engine.spec_policy import (
     EXPLORE_EVERY,
     MARGIN,
+    QUIET_AFTER,
     RECHECK_EVERY,
     AcceptanceEstimate,
     CostTable,
@@ -117,6 +118,19 @@ def test_where_drafting_does_not_pay_the_allocation_is_rechecked_every_few_steps
             picked = p.choose([0.7], [3])
     assert picked == [1], "the exploration step decided (and nudged)"
     assert decided == -(-(EXPLORE_EVERY - 1) // RECHECK_EVERY) + 1
+
+
+def test_requests_drop_their_mtp_upkeep_only_after_several_quiet_allocations() -> None:
+    p = policy(COMPUTE_BOUND)
+    for _ in range(QUIET_AFTER):
+        assert not p.quiet(4), "one noisy allocation must not end drafting"
+        assert p.choose([0.7] * 4, [3] * 4) == [0] * 4
+        while p.idle(4):
+            pass
+    assert p.quiet(4) and not p.quiet(2)
+    p.costs = MEMORY_BOUND
+    p.choose([0.7] * 4, [3] * 4)
+    assert not p.quiet(4)
 
 
 def test_cost_table_trusts_repeated_measurements_and_takes_the_lower() -> None:

@@ -45,6 +45,9 @@ MARGIN = 1.05
 # working it out costs Python per request, a real share of a small model's decode step, and a few steps'
 # delay in starting to draft costs next to nothing.
 RECHECK_EVERY = 8
+# Requests drop their MTP upkeep (DraftPolicy.quiet) only once this many allocations in a row, at least
+# RECHECK_EVERY steps apart, drafted nothing: one noisy measurement must not end a request's drafting.
+QUIET_AFTER = 4
 # A cost falls to a lower measurement at once and rises by this fraction of the gap: the other jobs on a
 # shared machine only ever add time, and a lasting change still shows within a few dozen steps.
 RISE = 0.1
@@ -160,7 +163,7 @@ class DraftPolicy:
         self.pooled = AcceptanceEstimate()
         self.num_decisions = 0
         self._idle: dict[int, int] = {}  # batch size -> steps left that draft nothing without deciding
-        self._quiet: set[int] = set()  # batch sizes whose last worked-out allocation drafted nothing
+        self._quiet: dict[int, int] = {}  # batch size -> allocations in a row that drafted nothing
 
     def record_verify(self, request: AcceptanceEstimate, num_drafted: int, num_accepted: int) -> None:
         request.update(num_drafted, num_accepted, REQUEST_DECAY)
@@ -194,10 +197,7 @@ class DraftPolicy:
         # unmeasured: then the zeros say nothing).
         quiet = not any(ks) and self.costs.step_measured(B)
         self._idle[B] = RECHECK_EVERY - 1 if quiet else 0
-        if quiet:
-            self._quiet.add(B)
-        else:
-            self._quiet.discard(B)
+        self._quiet[B] = self._quiet.get(B, 0) + 1 if quiet else 0
         if self.num_decisions % EXPLORE_EVERY == 0:
             if self.num_decisions % (2 * EXPLORE_EVERY):
                 room = [b for b in range(B) if ks[b] < caps[b]]
@@ -218,10 +218,10 @@ class DraftPolicy:
         return True
 
     def quiet(self, batch: int) -> bool:
-        """Whether drafting did not pay the last time it was worked out for steps of `batch` candidates
-        (with plain steps of that size measured): then a request that fills a KV block without drafting
-        drops its MTP upkeep (SpecDecoder.propose)."""
-        return batch in self._quiet
+        """Whether drafting did not pay the last QUIET_AFTER times it was worked out for steps of `batch`
+        candidates (with plain steps of that size measured): then a request that fills a KV block without
+        drafting drops its MTP upkeep (SpecDecoder.propose)."""
+        return self._quiet.get(batch, 0) >= QUIET_AFTER
 
     def _best(self, rates: list[float], caps: list[int]) -> list[int]:
         """Greedy: add drafts in order of their acceptance probability (a request's j-th draft counts
