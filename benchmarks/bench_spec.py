@@ -1,8 +1,9 @@
 """MTP speculative decoding: decode tok/s with and without speculation (not a test; timing decides nothing).
 
-    .venv/bin/python benchmarks/bench_spec.py [--model DIR] [--threads 1] [--tokens 128] [--no-write]
+    .venv/bin/python benchmarks/bench_spec.py [--model DIR] [--threads 1] [--tokens 128] [--adaptive] [--no-write]
 
-For k = 0 (plain), 1..4 and batch 1 (8 prompts one at a time) and 8: greedy, ignore_eos, `--tokens` new
+For k = 0 (plain), 1..4 (with --adaptive also adaptive k, at most --max-k) and batch 1 (8 prompts one at a
+time) and 8: greedy, ignore_eos, `--tokens` new
 tokens per request from short prompts. Decode tok/s counts the tokens after the first one of every
 request, over the time from the step in which the last request got its first token to the end (prefill
 excluded). Then one speculative step at
@@ -52,12 +53,13 @@ class Row:
     tok_s: float
     acceptance: float | None
     mean_len: float | None
+    adaptive: bool = False  # k is then the most drafts a step (speculative_config "adaptive": true)
 
 
-def run(model: str | None, k: int, batch: int, tokens: int) -> tuple[Row, LLM]:
+def run(model: str | None, k: int, batch: int, tokens: int, adaptive: bool = False) -> tuple[Row, LLM]:
     """Batch 1 runs each of the prompts alone (one prompt would let its text's period alias with the step
     length and skew acceptance); batch 8 runs them together. Times and tokens are summed."""
-    spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": False} if k else None
+    spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": adaptive} if k else None
     llm = LLM(model=model, max_model_len=512, max_num_seqs=max(batch, 8), speculative_config=spec)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.generate(PROMPTS[:batch], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm up
@@ -79,11 +81,11 @@ def run(model: str | None, k: int, batch: int, tokens: int) -> tuple[Row, LLM]:
     tok_s = decoded / elapsed
     s = engine.stats().spec
     if s is None:
-        return Row(batch, k, tok_s, None, None), llm
+        return Row(batch, k, tok_s, None, None, adaptive), llm
     drafts = s.num_drafts - before.num_drafts
     accepted = s.num_accepted_tokens - before.num_accepted_tokens
     drafted = s.num_draft_tokens - before.num_draft_tokens
-    return Row(batch, k, tok_s, accepted / max(drafted, 1), 1 + accepted / max(drafts, 1)), llm
+    return Row(batch, k, tok_s, accepted / max(drafted, 1), 1 + accepted / max(drafts, 1), adaptive), llm
 
 
 def profile(llm: LLM, tokens: int, steps: int = 40) -> dict[str, float]:
@@ -200,7 +202,8 @@ def render(
         acc = "-" if r.acceptance is None else f"{r.acceptance:.2f}"
         mlen = "-" if r.mean_len is None else f"{r.mean_len:.2f}"
         speedup = r.tok_s / base[r.batch]
-        lines.append(f"| {r.batch} | {r.k or 'off'} | {r.tok_s:.1f} | {speedup:.2f}x | {acc} | {mlen} |")
+        name = f"adaptive (max {r.k})" if r.adaptive else r.k or "off"
+        lines.append(f"| {r.batch} | {name} | {r.tok_s:.1f} | {speedup:.2f}x | {acc} | {mlen} |")
     step = prof.pop("step total")
     trunk = prof.get("trunk verify forward", 0.0)
     draft = prof.get("MTP drafting total", 0.0)
@@ -229,7 +232,7 @@ def render(
         "| k | decode step (1 token) | verify step (1+k tokens) | one draft pass | bound |",
         "|---|---|---|---|---|",
     ]
-    mean_len = {r.k: r.mean_len for r in rows if r.batch == 1 and r.k}
+    mean_len = {r.k: r.mean_len for r in rows if r.batch == 1 and r.k and not r.adaptive}
     for k, c in costs.items():
         bound = mean_len[k] * c["decode"] / (c["verify"] + k * c["draft"])
         lines.append(f"| {k} | {c['decode'] * 1e3:.3f} ms | {c['verify'] * 1e3:.3f} ms | "
@@ -254,6 +257,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--max-k", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3, help="best of this many rounds")
+    ap.add_argument("--adaptive", action="store_true", help="also adaptive k, at most --max-k drafts a step")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -261,16 +265,17 @@ def main() -> None:
         sys.exit("the demo checkpoint is not built yet; pass --model DIR (a checkpoint with mtp.* tensors)")
     # Best of --repeat rounds, each round over every configuration, so a burst of other load on the
     # machine hits one round of all configurations rather than all rounds of one.
-    best: dict[tuple[int, int], Row] = {}
+    best: dict[tuple[int, int, bool], Row] = {}
+    configs = [(k, False) for k in range(args.max_k + 1)] + ([(args.max_k, True)] if args.adaptive else [])
     for _ in range(args.repeat):
         for batch in [int(b) for b in args.batches.split(",")]:
-            for k in range(args.max_k + 1):
-                row, _ = run(args.model, k, batch, args.tokens)
+            for k, adaptive in configs:
+                row, _ = run(args.model, k, batch, args.tokens, adaptive)
                 print(row, flush=True)
-                if (batch, k) not in best or row.tok_s > best[batch, k].tok_s:
-                    best[batch, k] = row
+                if (batch, k, adaptive) not in best or row.tok_s > best[batch, k, adaptive].tok_s:
+                    best[batch, k, adaptive] = row
     rows = list(best.values())
-    b1 = [r for r in rows if r.batch == 1 and r.k] or [r for r in rows if r.k]
+    b1 = [r for r in rows if r.batch == 1 and r.k and not r.adaptive] or [r for r in rows if r.k]
     best_k = max(b1, key=lambda r: r.tok_s).k
     _, llm = run(args.model, best_k, 1, 8)
     fused = llm.engine.executor.name == "fused-cpu"

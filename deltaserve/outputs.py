@@ -15,12 +15,21 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
-    # Gaps between consecutive output tokens (inter-token latencies), seconds.
+    # Inter-token latencies, seconds, as vLLM counts them: one per step that emitted tokens after the first
+    # token, the time since the previous step that emitted some (a verify step's tokens arrive together).
     inter_token_latencies: list[float] = field(default_factory=list)
+    num_generation_tokens: int = 0  # output tokens so far (a group of n > 1: its longest child's)
 
     @property
     def time_to_first_token(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Decode seconds per output token after the first (vLLM's request_time_per_output_token)."""
+        if self.first_token_time is None or self.last_token_time is None or self.num_generation_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
 
     @property
     def e2e_latency(self) -> float | None:

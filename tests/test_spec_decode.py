@@ -155,7 +155,7 @@ def test_adaptive_speculation_is_token_for_token_plain_greedy(agreeable: Path, g
         policy.costs = costs
     postponed = []
     llm.engine.step_listeners.append(
-        lambda s: postponed.append(sum(r.spec_backlog is not None for r in llm.engine.requests.values())))
+        lambda s: postponed.append(sum(r.spec_backlog > 0 for r in llm.engine.requests.values())))
     outs = llm.generate(prompts, params, use_tqdm=False)
     for i, (p, o) in enumerate(zip(params, outs, strict=True)):
         if p.greedy:
@@ -172,6 +172,50 @@ def test_adaptive_speculation_is_token_for_token_plain_greedy(agreeable: Path, g
         assert stats.num_draft_tokens < tokens / 10
         assert max(postponed) > 0, "requests that draft nothing postpone their MTP pass"
     _all_free(llm.engine)
+
+
+def test_where_drafting_does_not_pay_requests_drop_their_mtp_upkeep(agreeable: Path) -> None:
+    """Adaptive k that finds drafting does not pay (compute-bound costs): a request that fills a KV block
+    without drafting drops its MTP upkeep, so once every request has, steps run no MTP pass and cost what
+    plain steps do; greedy output stays plain greedy. Where drafting pays, nobody drops it."""
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in _prompts(8, seed=11)]
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in
+            LLM(model=str(agreeable), max_model_len=256).generate(prompts, params, use_tqdm=False)]
+    for costs in (COMPUTE_BOUND, MEMORY_BOUND):
+        engine, got, lapsed_steps, passes = _generate_counting_mtp_passes(agreeable, costs, prompts, params)
+        assert got == want
+        if costs is COMPUTE_BOUND:
+            assert len(lapsed_steps) > 20, "requests dropped their MTP upkeep"
+            assert not lapsed_steps & passes, "a step of lapsed requests ran an MTP pass"
+        else:
+            assert not lapsed_steps and engine.stats().spec.num_draft_tokens > 0
+        _all_free(engine)
+
+
+def _generate_counting_mtp_passes(path: Path, costs, prompts, params):
+    """Adaptive k (max 3) with the given costs: the engine, the outputs, the steps in which every request
+    had dropped its MTP upkeep, and the steps that ran an MTP pass."""
+    llm = LLM(model=str(path), max_model_len=256, speculative_config=spec(3, adaptive=True))
+    engine = llm.engine
+    engine.runner.spec.policy.costs = costs
+    passes: set[int] = set()
+    mtp = engine.runner.spec.mtp_hidden
+
+    def counted(*args, **kwargs):
+        passes.add(engine.num_steps)
+        return mtp(*args, **kwargs)
+
+    engine.runner.spec.mtp_hidden = counted
+    lapsed: set[int] = set()
+
+    def listen(s) -> None:
+        if s.scheduled and all(x.request.spec_lapsed for x in s.scheduled):
+            lapsed.add(engine.num_steps)
+
+    engine.step_listeners.append(listen)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return engine, got, lapsed, passes
 
 
 def _target_probs(model, sampler, prefixes: list[list[int]], prompt: list[int], params) -> torch.Tensor:
@@ -250,7 +294,7 @@ def test_mtp_cache_gives_the_from_scratch_drafts(tmp_path: Path, damp: float, po
     held = 0  # the most MTP entries a request had postponed
     for _ in range(20):
         engine.step()
-        held = max([held] + [len(r.spec_backlog[1]) for r in engine.requests.values() if r.spec_backlog])
+        held = max([held] + [r.spec_backlog for r in engine.requests.values()])
     assert (held >= 3) == postponing
     model = engine.model
     checked = 0
@@ -291,7 +335,7 @@ def test_postponed_mtp_entries_still_fill_every_full_block(agreeable: Path) -> N
         req = engine.requests["r"]
         while req.num_computed_tokens < 70:
             engine.step()
-            held = max(held, len(req.spec_backlog[1]) if req.spec_backlog else 0)
+            held = max(held, req.spec_backlog)
         rows.append(_kv_rows(engine, engine.model_config.num_hidden_layers, "r", 64))  # blocks 0..3
         if postponing:
             assert engine.stats().spec.num_drafts == 0
@@ -394,15 +438,27 @@ def test_server_metrics_export_the_spec_counters(agreeable: Path) -> None:
     assert f'{name}_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {pos0}' in text
 
 
-def test_accepted_drafts_share_their_step_time_in_inter_token_latencies(agreeable: Path) -> None:
-    """A verify step emits several tokens at once: their inter-token latencies split the time since the
-    request's last token evenly (no zero gaps), so they add up to the decode time."""
+def test_inter_token_latencies_count_steps_as_vllm_does(agreeable: Path) -> None:
+    """A verify step emits several tokens at once: like vLLM, it records one inter-token latency (the time
+    since the request's previous tokens), not one per token (zeros for the accepted drafts); the gaps add
+    up to the decode time, and the time per output token is that time over the tokens after the first,
+    which the server exports as request_time_per_output_token_seconds."""
+    from deltaserve.serve.metrics import ServerMetrics
+
     llm = LLM(model=str(agreeable), max_model_len=256, speculative_config=spec(3))
+    metrics = ServerMetrics("m")
     out = llm.generate(_prompts(6, seed=5), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                        use_tqdm=False)
     assert llm.engine.stats().spec.num_accepted_tokens > 0
     for o in out:
-        m = o.metrics
-        assert len(m.inter_token_latencies) == len(o.outputs[0].token_ids) - 1
+        m, tokens = o.metrics, len(o.outputs[0].token_ids)
+        assert len(m.inter_token_latencies) == tokens - 1 - o.spec.num_accepted_tokens
         assert min(m.inter_token_latencies) > 0
         assert sum(m.inter_token_latencies) == pytest.approx(m.last_token_time - m.first_token_time, rel=1e-9)
+        assert m.num_generation_tokens == tokens
+        assert m.time_per_output_token == pytest.approx((m.last_token_time - m.first_token_time) / (tokens - 1))
+        metrics.on_output(o)
+    text = metrics.render().decode()
+    assert 'deltaserve:request_time_per_output_token_seconds_count{model_name="m"} 6.0' in text
+    gaps = sum(len(o.metrics.inter_token_latencies) for o in out)
+    assert f'deltaserve:inter_token_latency_seconds_count{{model_name="m"}} {float(gaps)}' in text

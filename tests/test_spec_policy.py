@@ -4,11 +4,15 @@ requests more likely to accept them, and cost tables that try what they have not
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from deltaserve.engine.spec_policy import (
     EXPLORE_EVERY,
     MARGIN,
+    QUIET_AFTER,
+    RECHECK_EVERY,
     AcceptanceEstimate,
     CostTable,
     DraftPolicy,
@@ -71,6 +75,62 @@ def test_exploration_nudges_every_so_many_decisions() -> None:
     p = policy(COMPUTE_BOUND)
     picks = [p.choose([0.7], [3]) for _ in range(2 * EXPLORE_EVERY)]
     assert picks.count([1]) == 1 and picks.count([0]) == 2 * EXPLORE_EVERY - 1
+    # In a batch, one more draft for the likeliest request (enough to measure one more row), not one each.
+    p = policy(COMPUTE_BOUND)
+    picks = [p.choose([0.6, 0.9, 0.7], [3, 3, 3]) for _ in range(EXPLORE_EVERY)]
+    assert picks[-1] == [0, 1, 0] and not any(map(any, picks[:-1]))
+
+
+@dataclass(slots=True)
+class NoisyCosts(FixedCosts):
+    """Steps of `cheap` rows measured at `seconds`, below what fewer rows cost (other load at other times)."""
+
+    cheap: int = 0
+    seconds: float = 0.0
+
+    def step(self, rows: int) -> float:
+        return self.seconds if rows == self.cheap else FixedCosts.step(self, rows)
+
+
+def test_more_rows_never_cost_less_than_fewer() -> None:
+    # 8 rows cost 1.0 and 10 rows 2.0, but 9 rows were measured at 0.6: one draft at acceptance 0.3 then
+    # looks like 8.3 tokens in 0.6 s. As at least the 8-row cost, it does not pay.
+    costs = NoisyCosts(fixed=-3.0, per_row=0.5, per_draft_row=0.0, cheap=9, seconds=0.6)
+    assert policy(costs).choose([0.3] * 8, [1] * 8) == [0] * 8
+
+
+def test_where_drafting_does_not_pay_the_allocation_is_rechecked_every_few_steps() -> None:
+    """Working the allocation out costs Python per request: where it came out empty, the next steps of that
+    batch size are idle (they draft nothing, and nobody looks at the requests) until the recheck, which then
+    sees new costs; exploration steps still decide."""
+    p = policy(COMPUTE_BOUND)
+    assert p.choose([0.7] * 4, [3] * 4) == [0] * 4
+    assert [p.idle(4) for _ in range(RECHECK_EVERY)] == [True] * (RECHECK_EVERY - 1) + [False]
+    assert not p.idle(2)  # another batch size decides for itself
+    p.costs = MEMORY_BOUND
+    assert p.choose([0.7] * 4, [3] * 4) == [3] * 4
+    assert not p.idle(4)
+    p = policy(COMPUTE_BOUND)
+    decided = 0
+    for _ in range(EXPLORE_EVERY):
+        if not p.idle(1):
+            decided += 1
+            picked = p.choose([0.7], [3])
+    assert picked == [1], "the exploration step decided (and nudged)"
+    assert decided == -(-(EXPLORE_EVERY - 1) // RECHECK_EVERY) + 1
+
+
+def test_requests_drop_their_mtp_upkeep_only_after_several_quiet_allocations() -> None:
+    p = policy(COMPUTE_BOUND)
+    for _ in range(QUIET_AFTER):
+        assert not p.quiet(4), "one noisy allocation must not end drafting"
+        assert p.choose([0.7] * 4, [3] * 4) == [0] * 4
+        while p.idle(4):
+            pass
+    assert p.quiet(4) and not p.quiet(2)
+    p.costs = MEMORY_BOUND
+    p.choose([0.7] * 4, [3] * 4)
+    assert not p.quiet(4)
 
 
 def test_cost_table_trusts_repeated_measurements_and_takes_the_lower() -> None:

@@ -18,23 +18,22 @@ class OutputProcessor:
         """Append the tokens one step emitted for req (one, or a verify's accepted drafts and its own) until
         one finishes it; the status it finishes with, or None while it goes on.
 
-        A step's tokens arrive together, so the time since the request's last token is shared evenly
-        between the ones appended: inter-token latencies then sum to the decode time, where giving each
-        token its arrival time would record the accepted drafts' gaps as zeros."""
+        A step's tokens arrive together, so they are timed as vLLM times them: each step that emits tokens
+        after the first one records one inter-token latency, the time since the request's previous tokens
+        (a verify step's accepted drafts add no zero gaps), and the time per output token is the decode
+        time over the tokens after the first (RequestMetrics.time_per_output_token)."""
         m = req.metrics
         previous = m.last_token_time
         status = None
-        appended = 0
         for token, lp in zip(tokens, logprobs, strict=True):
-            appended += 1
+            m.num_generation_tokens += 1
             status = self._append(req, token, lp, now)
             if status is not None:
                 break
         if m.first_token_time is None:
-            m.first_token_time = now
-            appended -= 1  # the first token's wait is the time to first token, not a gap
-        if previous is not None and appended:
-            m.inter_token_latencies.extend([(now - previous) / appended] * appended)
+            m.first_token_time = now  # its wait is the time to first token, not a gap
+        elif previous is not None:
+            m.inter_token_latencies.append(now - previous)
         m.last_token_time = now
         if status is not None:
             m.finished_time = now

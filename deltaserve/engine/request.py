@@ -71,9 +71,14 @@ class Request:
     spec_draft_probs: list[Any] = field(default_factory=list)  # per draft: probs [V] or None
     spec_metrics: SpecDecodeMetrics | None = None
     spec_acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # adaptive k's estimate
-    # Adaptive k: the trunk hidden rows [L, H] and next tokens of the last L computed positions, whose MTP
-    # entries are still to run (spec_decode.SpecDecoder.propose); None when the MTP cache is up to date.
-    spec_backlog: tuple[Any, list[int]] | None = None
+    # Adaptive k: L, the last L computed positions whose MTP entries are still to run (spec_decode.
+    # SpecDecoder.propose), 0 when the MTP cache is up to date; and their trunk hidden rows, as (a step's
+    # hidden, first row, rows) pieces in position order.
+    spec_backlog: int = 0
+    spec_held: list[tuple[Any, int, int]] = field(default_factory=list)
+    # Adaptive k, where drafting does not pay: the request dropped its MTP upkeep (runs no MTP entries and
+    # drafts no more) until a preemption recomputes it.
+    spec_lapsed: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -150,6 +155,7 @@ class RequestGroup:
             else None,
             num_preemptions=sum(c.metrics.num_preemptions for c in self.children),
             inter_token_latencies=list(m.inter_token_latencies),
+            num_generation_tokens=max(c.metrics.num_generation_tokens for c in self.children),
         )
         spec = None
         for c in self.children:

@@ -159,7 +159,10 @@ class ModelRunner:
         if rows:
             out.sampled = self._sample(hidden, row_index, states)
         if self.spec is not None:
-            out.drafts = self.spec.propose(hidden, ctx, self._draft_entries(sched, out), self.make_context)
+            if any(not s.request.spec_lapsed for s in sched.scheduled):
+                out.drafts = self.spec.propose(hidden, ctx, self._draft_entries(sched, out), self.make_context)
+            else:  # every request dropped its MTP upkeep: nothing to run or draft
+                self.spec.draft_seconds = 0.0
         return out
 
     def _forward(

@@ -179,7 +179,7 @@ class Sampler:
     @staticmethod
     def _modifies_besides_grammar(s: SequenceSamplingState) -> bool:
         p = s.params
-        return bool(p.logit_bias) or len(s.output_token_ids) < p.min_tokens or _has_penalties(p)
+        return bool(p.logit_bias) or len(s.output_token_ids) < p.min_tokens or has_penalties(p)
 
     # ---- greedy rows under a grammar, without their logits ---------------------------------------------
     def grammar_greedy(self, states: Sequence[SequenceSamplingState]) -> bool:
@@ -254,12 +254,12 @@ class Sampler:
         return probs
 
 
-def _has_penalties(p: SamplingParams) -> bool:
+def has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _apply_penalties(logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> None:
-    rows = [i for i, s in enumerate(states) if _has_penalties(s.params)]
+    rows = [i for i, s in enumerate(states) if has_penalties(s.params)]
     if not rows:
         return
     vocab = logits.shape[1]

@@ -177,8 +177,10 @@ class Scheduler:
         last valid position t = c + n - 1 at most: positions up to t + k - 1), if the pool has it; with
         less, the spec decoder drafts fewer tokens."""
         k = self.num_lookahead_tokens
-        if k and req.num_computed_tokens + n - drafts == req.num_tokens:
-            self.cache.allocate(req.request_id, req.num_computed_tokens + n + k - 1)
+        if k and not req.spec_lapsed and req.num_computed_tokens + n - drafts == req.num_tokens:
+            want = req.num_computed_tokens + n + k - 1
+            if self.cache.blocks_needed(req.request_id, want):  # most steps have the room already
+                self.cache.allocate(req.request_id, want)
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
         """Apply a step's results: computed-token counts (a verify keeps its real token and the accepted
@@ -237,7 +239,8 @@ class Scheduler:
             self.encoder_cache.drop_outputs(req.request_id)
         req.spec_token_ids.clear()  # drafts are proposed afresh once the request is recomputed
         req.spec_draft_probs.clear()
-        req.spec_backlog = None  # the recomputation runs the MTP pass over every position again
+        # The recomputation runs the MTP pass over every position again.
+        req.spec_backlog, req.spec_held, req.spec_lapsed = 0, [], False
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1

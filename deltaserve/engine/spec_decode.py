@@ -9,8 +9,12 @@ at position t, i.e. after reading x_0..x_t):
 - Invariant after every step: MTP entries 0 .. num_computed_tokens-1 are valid (made from trunk hiddens
   and real tokens), exactly the positions whose trunk K/V and GDN state the cache holds; except that with
   adaptive k a request drafting nothing may postpone the entries of its last L positions, all inside its
-  last, partly filled KV block (Request.spec_backlog holds their trunk hiddens and tokens), and runs them
-  in the MTP pass 1 of the step in which it drafts again or fills that block.
+  last, partly filled KV block (Request.spec_backlog = L, spec_held their trunk hiddens), and runs them
+  in the MTP pass 1 of the step in which it drafts again or fills that block. If it fills the block while
+  the policy finds that drafting does not pay at its batch size (a compute-bound model), it drops the
+  upkeep instead (Request.spec_lapsed): it runs no more MTP entries and drafts no more, so such steps cost
+  what plain ones do. Its later blocks hold stale MTP K/V; a request that reuses them from the prefix cache
+  drafts worse there, never wrongly (verification decides every token).
 - After a step in which positions [c, c+n) became valid (a prompt chunk: n = chunk; a decode: n = 1; a
   verify of 1+m tokens with a drafts accepted: n = 1+a), MTP pass 1 runs those n entries (tokens
   x_{c+1} .. x_{c+n}; the last is the token sampled this step, or the next prompt token mid-prefill),
@@ -38,7 +42,7 @@ import torch
 from deltaserve.cache.manager import CacheManager
 from deltaserve.engine.logits_head import LogitsHead
 from deltaserve.engine.request import Request
-from deltaserve.engine.sampler import Sampler, SequenceSamplingState, _sample
+from deltaserve.engine.sampler import Sampler, SequenceSamplingState, _sample, has_penalties
 from deltaserve.engine.spec_policy import DraftPolicy
 from deltaserve.executor import Executor
 from deltaserve.model.context import ForwardContext
@@ -69,7 +73,11 @@ class VerifyResult:
 
 
 def _state_at(s: SequenceSamplingState, extra: list[int]) -> SequenceSamplingState:
-    """The sampling state as it would be with `extra` tokens already generated (penalties, min_tokens)."""
+    """The sampling state as it would be with `extra` tokens already generated (penalties, min_tokens, the
+    grammar's position); s itself where nothing reads the generated tokens (it copies none of them)."""
+    p = s.params
+    if not extra or s.grammar is None and len(s.output_token_ids) >= p.min_tokens and not has_penalties(p):
+        return s
     return dataclasses.replace(s, output_token_ids=s.output_token_ids + extra)  # keeps the grammar matcher
 
 
@@ -85,6 +93,11 @@ def _logprob_entry(row: torch.Tensor, token: int, n: int) -> dict[int, float]:
 
 def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator))
+
+
+# A step's hidden of at most this many rows (a decode step's) is kept whole by the requests that postpone
+# their MTP entries, for up to a block of steps; of a larger one (with prompt chunks) they copy their rows.
+_HOLD_WHOLE_ROWS = 64
 
 
 class SpecDecoder:
@@ -195,49 +208,68 @@ class SpecDecoder:
         and the distributions they were drawn from (None for greedy ones). make_context(query_lens,
         context_lens, request_ids) builds a paged ForwardContext.
 
-        A request that the adaptive policy gives no drafts skips pass 1: it keeps the step's trunk hidden
-        rows and tokens (Request.spec_backlog) and runs them in the pass of a later step, when it drafts
+        A request that the adaptive policy gives no drafts skips pass 1: it keeps its trunk hidden rows
+        (Request.spec_held; spec_backlog counts them) and runs them in the pass of a later step, when it drafts
         again or when its trunk fills a KV block (so every full block, which the prefix cache may hand to
         another request, holds its MTP K/V). Where speculation does not pay, that leaves one MTP pass per
-        block instead of one per step."""
+        block instead of one per step, and a step where nobody drafts or fills a block runs no MTP pass
+        and copies nothing. Where drafting did not pay at this batch size (policy.quiet), a request that
+        fills a block without drafting drops its MTP upkeep for good (Request.spec_lapsed)."""
         self.draft_seconds = 0.0
+        policy = self.policy
         candidates = [e for e in entries if e.emitted is not None]
-        chosen = self.policy.choose(
-            [self.policy.rate(e.request.spec_acceptance) for e in candidates],
-            [self._num_drafts(e) for e in candidates],
-        )
-        budget = {id(e): k for e, k in zip(candidates, chosen, strict=True)}
-        if self.policy.adaptive:
+        budget: dict[int, int] = {}  # id(entry) -> its drafts, for those that draft
+        if policy.idle(len(candidates)):  # adaptive k, where drafting did not pay a few steps ago
+            for e in candidates:
+                if not e.request.spec_lapsed:
+                    policy.record_no_drafts(e.request.spec_acceptance)
+        else:
+            rates = [policy.rate(e.request.spec_acceptance) for e in candidates] if policy.adaptive else []
+            chosen = policy.choose(rates, [self._num_drafts(e) for e in candidates])
             for e, k in zip(candidates, chosen, strict=True):
-                if k == 0:
-                    self.policy.record_no_drafts(e.request.spec_acceptance)
+                if k:
+                    budget[id(e)] = k
+                elif policy.adaptive and not e.request.spec_lapsed:
+                    policy.record_no_drafts(e.request.spec_acceptance)
+        lapse = policy.quiet(len(candidates))
         bs = self.manager.block_size
-        pieces: list[torch.Tensor] = []
+        # This step's hidden is the executor's own tensor: a small one is held as it is by the requests that
+        # postpone, a large one (with prompt chunks) only by the copies of their rows.
+        small = hidden.shape[0] <= _HOLD_WHOLE_ROWS
         tokens: list[int] = []
+        segments: list[tuple[torch.Tensor, int, int]] = []  # pass 1's hidden input: (tensor, first row, rows)
+        any_held = False
         qlens, clens, rids = [], [], []
         drafters: list[DraftEntry] = []
         last_rows: list[int] = []
         budgets: list[int] = []
         for e in entries:
-            start = ctx.query_start_loc[e.seq]
-            mine = hidden[start:start + e.num_valid]
             req = e.request
-            held, held_tokens = req.spec_backlog if req.spec_backlog is not None else (None, [])
-            mtp_valid = e.context_len - len(held_tokens)
-            k = budget.get(id(e), 0)
-            filled_block = mtp_valid < e.num_valid_after // bs * bs
-            if self.policy.adaptive and e.emitted is not None and k == 0 and not filled_block:
-                # No drafts and no block filled: postpone this step's MTP entries.
-                mine = mine.clone()  # the step's hidden goes away with the step
-                req.spec_backlog = (mine if held is None else torch.cat([held, mine]), held_tokens + e.tokens)
+            if req.spec_lapsed:
                 continue
-            if held is not None:
-                pieces.append(held)
-                req.spec_backlog = None
-            pieces.append(mine)
-            tokens.extend(held_tokens)
+            start = ctx.query_start_loc[e.seq]
+            num_held = req.spec_backlog
+            mtp_valid = e.context_len - num_held
+            k = budget.get(id(e), 0)
+            postpone = policy.adaptive and k == 0 and e.emitted is not None
+            if postpone and mtp_valid >= e.num_valid_after // bs * bs:
+                # No drafts and no block filled: postpone this step's MTP entries (all in the last block).
+                n = e.num_valid
+                req.spec_held.append((hidden, start, n) if small else (hidden[start:start + n].clone(), 0, n))
+                req.spec_backlog = num_held + n
+                continue
+            if postpone and lapse:
+                # A block filled while drafting does not pay at this batch size: drop the MTP upkeep.
+                req.spec_held, req.spec_backlog, req.spec_lapsed = [], 0, True
+                continue
+            if num_held:
+                segments.extend(req.spec_held)
+                any_held = True
+                tokens.extend(req.token_slice(mtp_valid + 1, e.context_len + 1))  # known by now
+                req.spec_held, req.spec_backlog = [], 0
+            segments.append((hidden, start, e.num_valid))
             tokens.extend(e.tokens)
-            qlens.append(len(held_tokens) + e.num_valid)
+            qlens.append(num_held + e.num_valid)
             clens.append(mtp_valid)
             rids.append(req.request_id)
             if k > 0:
@@ -248,42 +280,59 @@ class SpecDecoder:
             return {}
         # Adaptive k prices drafting: pass 1 (which a request that does not draft may postpone) and the
         # draft passes, in CPU seconds (other jobs on the machine do not stretch them as they do wall time).
-        timing = self.policy.adaptive and bool(drafters)
+        timing = policy.adaptive and bool(drafters)
         pass1_started = time.process_time() if timing else 0.0
         mctx = make_context(qlens, clens, rids)
-        h_in = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        h_in = self._pass1_input(hidden, segments, len(tokens), any_held)
         h = self.mtp_hidden(torch.tensor(tokens, dtype=torch.long), h_in, mctx)  # [N, H]
         if not drafters:
             return {}
         pass1 = time.process_time() - pass1_started if timing else 0.0
-        h = h[last_rows]
+        if len(last_rows) < h.shape[0]:
+            h = h[last_rows]
         drafts: dict[str, tuple[list[int], list]] = {e.request.request_id: ([], []) for e in drafters}
-        active = list(range(len(drafters)))  # drafters still drafting; h has one row per entry
+        active = drafters  # the entries still drafting; h has one row per entry
         for j in range(self.k):
             started = time.process_time() if timing else 0.0
             if j > 0:
-                keep = [p for p, i in enumerate(active) if budgets[i] > j]
+                keep = [p for p, b in enumerate(budgets) if b > j]
                 if not keep:
                     break
-                active = [active[p] for p in keep]
-                ents = [drafters[i] for i in active]
+                if len(keep) < len(active):
+                    active = [active[p] for p in keep]
+                    budgets = [budgets[p] for p in keep]
+                    h = h[keep]
                 # Pass j+1: the entry for position t+j (t = last valid position), fed the previous pass's
                 # hidden and draft; it attends to the MTP entries 0 .. t+j.
-                ctx_lens = [e.num_valid_after - 1 + j for e in ents]
-                dctx = make_context([1] * len(ents), ctx_lens, [e.request.request_id for e in ents])
-                prev = torch.tensor([drafts[e.request.request_id][0][-1] for e in ents], dtype=torch.long)
-                h = self.mtp_hidden(prev, h[keep], dctx, step=j)
-            self._sample_drafts([drafters[i] for i in active], h, drafts)
+                ids = [e.request.request_id for e in active]
+                dctx = make_context([1] * len(active), [e.num_valid_after - 1 + j for e in active], ids)
+                prev = torch.tensor([drafts[r][0][-1] for r in ids], dtype=torch.long)
+                h = self.mtp_hidden(prev, h, dctx, step=j)
+            self._sample_drafts(active, h, drafts)
             if timing:
                 seconds = time.process_time() - started + (pass1 if j == 0 else 0.0)
                 self.draft_seconds += seconds
-                self.policy.record_draft(j + 1, len(active), seconds)
+                policy.record_draft(j + 1, len(active), seconds)
         return drafts
+
+    @staticmethod
+    def _pass1_input(hidden: torch.Tensor, segments: list[tuple[torch.Tensor, int, int]], n: int, any_held: bool
+                     ) -> torch.Tensor:
+        """Pass 1's hidden input [n, H], the segments' rows one after another: this step's hidden itself when
+        that is every row of it, else one gather (or, with postponed rows of earlier steps, one cat)."""
+        if any_held:
+            return torch.cat([t[s:s + m] for t, s, m in segments])
+        if n == hidden.shape[0]:  # every row, in order
+            return hidden
+        rows = [r for _, s, m in segments for r in range(s, s + m)]
+        return hidden[torch.tensor(rows, dtype=torch.long)]
 
     def _num_drafts(self, e: DraftEntry) -> int:
         """k, or fewer: no more than the request may still emit minus the target's own token, no position
         at or past max_model_len, and no draft position past the blocks the scheduler reserved."""
         req = e.request
+        if req.spec_lapsed:
+            return 0
         k = self.k
         if req.params.max_tokens is not None:
             k = min(k, req.params.max_tokens - len(req.output_token_ids) - len(e.emitted) - 1)

@@ -31,13 +31,23 @@ PRIOR_WEIGHT = 4.0
 REQUEST_DECAY = 0.95  # per verify step: a request's text changes (code, prose), so recent drafts count more
 POOLED_DECAY = 0.995
 MAX_RATE = 0.98  # keeps 1 + a + ... + a^k finite-looking and a single lucky run from meaning certainty
-# Every EXPLORE_EVERY-th decision is nudged one draft up or down per request (alternately), so a cost
-# measured once under a burst of other load is measured again instead of ruling that size out for good.
+# Every EXPLORE_EVERY-th decision is nudged (alternately) one draft up for the request likeliest to accept
+# it, or one draft down for every request, so a cost measured once under a burst of other load is measured
+# again instead of ruling that size out for good. (Up for one only: a verify of a row per request can cost
+# a compute-bound batch two plain steps, and one more row is enough to measure the slope.)
 EXPLORE_EVERY = 32
 # Drafting must promise this much more tokens per second than plain steps: it has costs the step model
 # does not see (the periodic MTP catch-up of requests that postpone it), and a marginal gain is mostly the
 # noise of the measurements.
 MARGIN = 1.05
+# While drafting does not pay at a batch size, the allocation is worked out again only every RECHECK_EVERY-th
+# step of that size (the steps between draft nothing, and `idle` says so without looking at the requests):
+# working it out costs Python per request, a real share of a small model's decode step, and a few steps'
+# delay in starting to draft costs next to nothing.
+RECHECK_EVERY = 8
+# Requests drop their MTP upkeep (DraftPolicy.quiet) only once this many allocations in a row, at least
+# RECHECK_EVERY steps apart, drafted nothing: one noisy measurement must not end a request's drafting.
+QUIET_AFTER = 4
 # A cost falls to a lower measurement at once and rises by this fraction of the gap: the other jobs on a
 # shared machine only ever add time, and a lasting change still shows within a few dozen steps.
 RISE = 0.1
@@ -152,6 +162,8 @@ class DraftPolicy:
         self.costs: StepCosts = costs if costs is not None else MeasuredCosts()
         self.pooled = AcceptanceEstimate()
         self.num_decisions = 0
+        self._idle: dict[int, int] = {}  # batch size -> steps left that draft nothing without deciding
+        self._quiet: dict[int, int] = {}  # batch size -> allocations in a row that drafted nothing
 
     def record_verify(self, request: AcceptanceEstimate, num_drafted: int, num_accepted: int) -> None:
         request.update(num_drafted, num_accepted, REQUEST_DECAY)
@@ -179,11 +191,37 @@ class DraftPolicy:
         if not self.adaptive or not caps:
             return list(caps)
         self.num_decisions += 1
+        B = len(caps)
         ks = self._best(rates, caps)
+        # Nothing pays: the next steps of this size are idle (not while plain steps of this size are still
+        # unmeasured: then the zeros say nothing).
+        quiet = not any(ks) and self.costs.step_measured(B)
+        self._idle[B] = RECHECK_EVERY - 1 if quiet else 0
+        self._quiet[B] = self._quiet.get(B, 0) + 1 if quiet else 0
         if self.num_decisions % EXPLORE_EVERY == 0:
-            step = 1 if self.num_decisions % (2 * EXPLORE_EVERY) else -1
-            ks = [min(max(k + step, 0), cap) for k, cap in zip(ks, caps, strict=True)]
+            if self.num_decisions % (2 * EXPLORE_EVERY):
+                room = [b for b in range(B) if ks[b] < caps[b]]
+                if room:
+                    ks[max(room, key=lambda b: rates[b] ** (ks[b] + 1))] += 1
+            else:
+                ks = [max(k - 1, 0) for k in ks]
         return ks
+
+    def idle(self, batch: int) -> bool:
+        """Whether this step's `batch` candidates draft nothing without a choose(): the last allocation
+        worked out for that many drafted nothing, less than RECHECK_EVERY steps ago, and this is no
+        exploration step. True counts as the step's decision."""
+        if not self.adaptive or self._idle.get(batch, 0) <= 0 or (self.num_decisions + 1) % EXPLORE_EVERY == 0:
+            return False
+        self.num_decisions += 1
+        self._idle[batch] -= 1
+        return True
+
+    def quiet(self, batch: int) -> bool:
+        """Whether drafting did not pay the last QUIET_AFTER times it was worked out for steps of `batch`
+        candidates (with plain steps of that size measured): then a request that fills a KV block without
+        drafting drops its MTP upkeep (SpecDecoder.propose)."""
+        return self._quiet.get(batch, 0) >= QUIET_AFTER
 
     def _best(self, rates: list[float], caps: list[int]) -> list[int]:
         """Greedy: add drafts in order of their acceptance probability (a request's j-th draft counts
@@ -202,17 +240,20 @@ class DraftPolicy:
         )
         ks = [0] * B
         per_level = [0] * (self.max_k + 2)  # rows in draft pass j
-        tokens, drafting, best, best_n = float(B), 0.0, MARGIN * B / base, 0
+        tokens, drafting, best, best_n, step = float(B), 0.0, MARGIN * B / base, 0, base
         for n, (gain, b) in enumerate(order, start=1):
             ks[b] += 1
             level = ks[b]
             before = self.costs.draft(level, per_level[level]) if per_level[level] else 0.0
             per_level[level] += 1
             after = self.costs.draft(level, per_level[level])
-            step = self.costs.step(B + n)
-            if after is None or step is None or before is None:
+            measured = self.costs.step(B + n)
+            if after is None or measured is None or before is None:
                 return list(caps)  # a draft pass never measured: try it
-            drafting += after - before
+            # More rows never cost less: a noisy table (steps of some sizes measured under more load than
+            # others) must not make drafting look free.
+            step = max(step, measured)
+            drafting += max(after - before, 0.0)
             tokens += gain
             rate = tokens / (step + drafting)
             if rate > best:

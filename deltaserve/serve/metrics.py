@@ -93,27 +93,15 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "deltaserve:generation_tokens", "Tokens generated.", labels, registry=r
         ).labels(model_name)
-        self.ttft = Histogram(
-            "deltaserve:time_to_first_token_seconds",
-            "Time to first token.",
-            labels,
-            buckets=_TTFT_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.itl = Histogram(
-            "deltaserve:inter_token_latency_seconds",
-            "Gap between consecutive output tokens.",
-            labels,
-            buckets=_ITL_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            "deltaserve:e2e_request_latency_seconds",
-            "Arrival to last token.",
-            labels,
-            buckets=_E2E_BUCKETS,
-            registry=r,
-        ).labels(model_name)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"deltaserve:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Gap between consecutive steps that emit a request's output tokens.", _ITL_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "Decode time per output token after the first, per request.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _E2E_BUCKETS)
         self._success = Counter(
             "deltaserve:request_success",
             "Finished requests by finish reason.",
@@ -195,6 +183,8 @@ class ServerMetrics:
         if m is not None:
             for gap in m.inter_token_latencies:
                 self.itl.observe(gap)
+            if m.time_per_output_token is not None:
+                self.tpot.observe(m.time_per_output_token)
             if m.e2e_latency is not None:
                 self.e2e.observe(m.e2e_latency)
 
