@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -66,34 +66,42 @@ def repeat_for(macs: int) -> int:
     return max(3, min(50, int(2e9 // max(macs, 1))))
 
 
-def run(shapes: list[str], formats: list[str], rows: list[int], threads: list[int], rounds: int) -> list[Result]:
-    from deltaserve.ops.fused_ext import load_extension
-
-    ext = load_extension()
-    results: list[Result] = []
-    g = torch.Generator().manual_seed(0)
+def stored_projections(shapes: list[str], formats: list[str], g: torch.Generator) -> Iterator[
+        tuple[str, WeightFormat, list[tuple]]]:
+    """(shape, format, parts as ext.linear takes them) of each shape's random weight stored in each format."""
     for shape in shapes:
         n, k = SHAPES[shape]
         weight = torch.randn(n, k, generator=g) * 0.02
         for name in formats:
             fmt = WeightFormat.of(name)
             data, scale = quantize(weight, fmt)
-            parts = [(data, scale, fmt.name, fmt.group)]
-            dense = dequantize(data, scale, fmt, k)  # the torch path's fp32 weight
-            for t in rows:
-                if shape == "lm_head" and t > 8:
-                    continue
-                x = torch.randn(t, k, generator=g)
-                for nthreads in threads:
-                    torch.set_num_threads(nthreads)
-                    repeat = repeat_for(t * n * k)
-                    ours = theirs = float("inf")
-                    for _ in range(rounds):  # alternate: the machine's load changes under both alike
-                        ours = min(ours, best_time(partial(ext.linear, x, parts), repeat))
-                        theirs = min(theirs, best_time(partial(torch.nn.functional.linear, x, dense), repeat))
-                    results.append(Result(shape, name, t, nthreads, ours, theirs, t * n * k, fmt.nbytes(n, k)))
-                    print(format_result(results[-1]), flush=True)
-            del dense, data, scale
+            yield shape, fmt, [(data, scale, fmt.name, fmt.group)]
+
+
+def run(shapes: list[str], formats: list[str], rows: list[int], threads: list[int], rounds: int) -> list[Result]:
+    from deltaserve.ops.fused_ext import load_extension
+
+    ext = load_extension()
+    results: list[Result] = []
+    g = torch.Generator().manual_seed(0)
+    for shape, fmt, parts in stored_projections(shapes, formats, g):
+        n, k = SHAPES[shape]
+        data, scale = parts[0][:2]
+        dense = dequantize(data, scale, fmt, k)  # the torch path's fp32 weight
+        for t in rows:
+            if shape == "lm_head" and t > 8:
+                continue
+            x = torch.randn(t, k, generator=g)
+            for nthreads in threads:
+                torch.set_num_threads(nthreads)
+                repeat = repeat_for(t * n * k)
+                ours = theirs = float("inf")
+                for _ in range(rounds):  # alternate: the machine's load changes under both alike
+                    ours = min(ours, best_time(partial(ext.linear, x, parts), repeat))
+                    theirs = min(theirs, best_time(partial(torch.nn.functional.linear, x, dense), repeat))
+                results.append(Result(shape, fmt.name, t, nthreads, ours, theirs, t * n * k, fmt.nbytes(n, k)))
+                print(format_result(results[-1]), flush=True)
+        del dense, data, scale, parts
     return results
 
 

@@ -14,7 +14,7 @@ from deltaserve.cli_eval import add_eval_parser
 from deltaserve.cli_plan import add_plan_parser
 from deltaserve.cli_serve import add_serve_parser
 from deltaserve.inspect.cli import add_inspect_parser
-from deltaserve.ops.format_names import QUANTIZATIONS
+from deltaserve.ops.format_names import ACTIVATION_QUANTIZATIONS, QUANTIZATIONS
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -41,6 +41,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="columns per scale for int8 / int4 (default 32)")
     p.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=True,
                    help="whether --quantization covers lm_head too (default: yes)")
+    p.add_argument("--activation-quantization", default=None, choices=ACTIVATION_QUANTIZATIONS,
+                   help="int8: int8 / int4 projections quantize their input rows to int8 per group as well and "
+                   "sum integer products (as llama.cpp's Q8 activations); none: they multiply the float rows "
+                   "(default: int8 with --quantization int8 / int4)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -90,6 +94,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
         quantize_lm_head=args.quantize_lm_head,
+        activation_quantization=args.activation_quantization,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -26,6 +26,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     ppl.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
     ppl.add_argument("--quantization", default=None,
                      help="weight format to load the checkpoint in (default: the checkpoint's own)")
+    ppl.add_argument("--activation-quantization", default=None,
+                     help="int8 / none: whether int8 / int4 weights quantize their inputs too (default: int8 "
+                     "for those, deltaserve serve's default)")
     ppl.add_argument("--dtype", default="auto", help="activation dtype: auto (float32 on CPU), float32, "
                      "bfloat16, float16")
     ppl.add_argument("--threads", type=int, default=None, dest="num_threads",
@@ -48,6 +51,11 @@ def engine_for_scoring(args: argparse.Namespace) -> Any:
             raise ValueError(f"--quantization {args.quantization}: this deltaserve has no compact weight "
                              "formats; drop --quantization to score the checkpoint's own")
         kwargs["quantization"] = args.quantization
+    if args.activation_quantization is not None:
+        if "activation_quantization" not in inspect.signature(LLM).parameters:
+            raise ValueError(f"--activation-quantization {args.activation_quantization}: this deltaserve has no "
+                             "activation quantization; drop the flag")
+        kwargs["activation_quantization"] = args.activation_quantization
     return LLM(**kwargs)
 
 

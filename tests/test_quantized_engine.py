@@ -30,9 +30,25 @@ def dequantized_reference(model) -> torch.nn.Module:
 
 @pytest.mark.parametrize("quantization, k", [("int8", 0), ("int4", 0), ("fp8", 0), ("int8", 2)])
 def test_greedy_tokens_equal_the_dequantized_reference(quantization, k):
+    """activation_quantization "none": the quantized weights' values, multiplied by the float rows."""
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
-    engine = LLMEngine(EngineConfig(quantization=quantization, speculative_config=spec, **OPTIONS))
+    engine = LLMEngine(EngineConfig(quantization=quantization, speculative_config=spec, activation_quantization="none",
+                                    **OPTIONS))
     assert quantization in engine.model.weight_formats()
     ref = LLMEngine(EngineConfig(dtype="float32", speculative_config=spec, **OPTIONS),
                     model=dequantized_reference(engine.model))
     assert greedy(engine) == greedy(ref)
+
+
+@pytest.mark.parametrize("quantization, k", [("int8", 0), ("int4", 0), ("int8", 2), ("int4", 2)])
+def test_int8_activations_give_the_torch_executors_greedy_tokens(quantization, k):
+    """activation_quantization "int8" (the default for int8 / int4 weights): the fused step's integer kernel
+    and the Python model's Linear / Experts compute the same scheme (deltaserve/ops/activation_quant.py), so
+    the two executors give the same greedy tokens; and they are not the float rows' tokens everywhere."""
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    fused = LLMEngine(EngineConfig(quantization=quantization, speculative_config=spec, **OPTIONS))
+    assert fused.config.activation_quantization == "int8" and fused.executor.name == "fused-cpu"
+    eager = LLMEngine(EngineConfig(quantization=quantization, speculative_config=spec, enforce_eager=True,
+                                   **OPTIONS))
+    assert eager.executor.name != "fused-cpu"
+    assert greedy(fused) == greedy(eager)

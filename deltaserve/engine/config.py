@@ -7,6 +7,7 @@ from typing import Any
 
 from deltaserve.cache.dtypes import engine_kv_cache_dtype
 from deltaserve.config import UnsupportedFeatureError
+from deltaserve.ops.activation_quant import resolve_activation_quantization
 from deltaserve.ops.formats import QUANTIZATIONS, WeightFormat
 
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
@@ -25,6 +26,10 @@ class EngineConfig:
     quantization: str | None = None
     quantization_group_size: int | None = None  # columns per scale for int8 / int4 (default 32)
     quantize_lm_head: bool = True  # False: --quantization leaves lm_head in the checkpoint's format
+    # "int8": int8 / int4 projections quantize their input rows to int8 per group too and sum integer products
+    # (llama.cpp's Q8 activations; deltaserve/ops/activation_quant.py); "none": they multiply the float rows.
+    # None: "int8" for quantization int8 / int4, else "none" ("int8" for other weights is an error).
+    activation_quantization: str | None = None
     max_model_len: int | None = None  # None = the model's max_position_embeddings, if the cache holds it
     max_num_seqs: int = 64
     # One step's token budget. Larger chunks prefill faster on CPU; decode steps never come near it.
@@ -115,12 +120,17 @@ class EngineConfig:
                 WeightFormat.of(self.quantization, self.quantization_group_size)
             except ValueError as e:
                 raise EngineConfigError(str(e)) from None
+        try:
+            self.activation_quantization = resolve_activation_quantization(self.activation_quantization,
+                                                                           self.quantization)
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from None
 
     @property
     def weight_options(self) -> dict[str, Any]:
         """load_model's weight arguments."""
         return {"quantization": self.quantization, "group_size": self.quantization_group_size,
-                "quantize_lm_head": self.quantize_lm_head}
+                "quantize_lm_head": self.quantize_lm_head, "activation_quantization": self.activation_quantization}
 
     def _check_prefix_caching(self) -> None:
         for name in ("mamba_block_size", "num_gdn_snapshots"):

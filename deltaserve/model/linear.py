@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.ops.activation_quant import fake_quantize, reads_int8_activations, resolve_activation_quantization
 from deltaserve.ops.formats import WeightFormat, dequantize, dequantize_rows
 
 __all__ = ["Embedding", "Linear", "StoredWeights", "WeightPolicy", "quantizable", "scale_name", "store", "tie"]
@@ -39,6 +40,8 @@ class StoredWeights(nn.Module):
 
     WEIGHTS: tuple[str, ...] = ("weight",)
     _quantized: WeightFormat | None = None
+    # "int8": an int8 / int4 module quantizes its input rows first (deltaserve/ops/activation_quant.py)
+    activation_quantization: str = "none"
 
     @property
     def fmt(self) -> WeightFormat:
@@ -56,6 +59,13 @@ class StoredWeights(nn.Module):
     def weight_values(self, name: str = "weight", dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as numbers in dtype: a fresh tensor for a quantized format, else the data cast."""
         return dequantize(getattr(self, name), self.scale(name), self.fmt, self.logical_shape(name)[-1], dtype)
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        """The input rows as this module multiplies them: x, or x quantized to int8 per group and back
+        (activation_quantization "int8" on int8 / int4 weights)."""
+        if reads_int8_activations(self.activation_quantization, self.fmt):
+            return fake_quantize(x, self.fmt.group)
+        return x
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, format={self.fmt.name}" + (f"/{self.fmt.group}" if self.fmt.group else "")
@@ -94,7 +104,7 @@ class Linear(StoredWeights):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.weight_values("weight", x.dtype), bias)
+        return F.linear(self.activations(x), self.weight_values("weight", x.dtype), bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -153,6 +163,8 @@ class WeightPolicy:
       is off, except KEEP_UNQUANTIZED; embeddings stay as stored (a tied one shares the head's weight).
     - dtype: with `explicit_dtype`, every other weight in this dtype (`--dtype float32` asks for fp32
       weights); else each weight stays in the checkpoint's own format (bf16 stays bf16, fp8 stays fp8).
+    - activation_quantization: "int8" has the int8 / int4 modules quantize their inputs
+      (deltaserve/ops/activation_quant.py); None picks the default for the quantization.
     """
 
     dtype: torch.dtype = torch.float32
@@ -160,10 +172,13 @@ class WeightPolicy:
     group_size: int | None = None
     explicit_dtype: bool = False
     quantize_lm_head: bool = True
+    activation_quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.quantization is not None:
             WeightFormat.of(self.quantization, self.group_size)  # names a bad format or group size
+        resolved = resolve_activation_quantization(self.activation_quantization, self.quantization)
+        object.__setattr__(self, "activation_quantization", resolved)
 
     def quantizes(self, module_name: str, module: StoredWeights) -> bool:
         if self.quantization is None or isinstance(module, Embedding):

@@ -156,14 +156,16 @@ _SAFETENSORS_FORMATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", 
 
 
 def weight_policy(dtype: str | torch.dtype | None, cfg: ModelConfig, quantization: str | None = None,
-                  group_size: int | None = None, quantize_lm_head: bool = True) -> WeightPolicy:
+                  group_size: int | None = None, quantize_lm_head: bool = True,
+                  activation_quantization: str | None = None) -> WeightPolicy:
     """dtype None / "auto": activations in float32 (the CPU's), weights as the checkpoint stores them; a
-    dtype named: activations and every unquantized weight in it. quantization: fp8 / int8 / int4."""
+    dtype named: activations and every unquantized weight in it. quantization: fp8 / int8 / int4.
+    activation_quantization: "int8" / "none" (deltaserve/ops/activation_quant.py), None its default."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not supported; accepted: {', '.join(QUANTIZATIONS)}")
     explicit = dtype not in (None, "auto")
     compute = resolve_dtype(dtype, cfg) if explicit else torch.float32
-    return WeightPolicy(compute, quantization, group_size, explicit, quantize_lm_head)
+    return WeightPolicy(compute, quantization, group_size, explicit, quantize_lm_head, activation_quantization)
 
 
 def _stored_format(handle, name: str, block: list[int]) -> WeightFormat:
@@ -192,6 +194,7 @@ def _materialize(model: torch.nn.Module, cfg: ModelConfig, policy: WeightPolicy,
             if module is model.model.embed_tokens and cfg.tie_word_embeddings:
                 continue  # the head's weight, below
             store(module, policy.format_for(name, module, stored.get(name) or WeightFormat("float32")))
+            module.activation_quantization = policy.activation_quantization  # (int8 / int4 modules use it)
         if isinstance(module, Embedding):
             module.out_dtype = policy.dtype
     if cfg.tie_word_embeddings:
@@ -262,17 +265,18 @@ def _copy(dest: torch.Tensor, piece: torch.Tensor, name: str, t: Target) -> None
 def load_model(
     path: str | Path, dtype: str | torch.dtype | None = None, with_mtp: bool | None = None,
     shard: Shard = SINGLE, quantization: str | None = None, group_size: int | None = None,
-    quantize_lm_head: bool = True,
+    quantize_lm_head: bool = True, activation_quantization: str | None = None,
 ) -> Qwen3_5ForCausalLM:
     """Build the model from a checkpoint directory, each weight stored once in its format (weight_policy:
     dtype None keeps the checkpoint's formats and computes in float32; quantization fp8 / int8 / int4
-    quantizes the projections as they are read). with_mtp None: load the MTP head when present.
+    quantizes the projections as they are read; activation_quantization "int8" (the default for int8 /
+    int4) has those quantize their inputs too). with_mtp None: load the MTP head when present.
     shard: with size N > 1, build rank shard.rank's part and keep each tensor's rank slice (rank_slice);
     a shape that does not split into N gets a ConfigError naming the heads and N."""
     path = Path(path)
     cfg = ModelConfig.from_file(path)
     return_freed_memory()
-    policy = weight_policy(dtype, cfg, quantization, group_size, quantize_lm_head)
+    policy = weight_policy(dtype, cfg, quantization, group_size, quantize_lm_head, activation_quantization)
     names = checkpoint_files(path)
     has_mtp = any(n.startswith("mtp.") for n in names)
     if with_mtp and not has_mtp:

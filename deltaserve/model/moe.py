@@ -63,8 +63,10 @@ class Experts(StoredWeights):
         start = 0
         for e, n in zip(touched.tolist(), counts[touched].tolist(), strict=True):
             rows = slice(start, start + n)
-            gate, up = F.linear(xs[rows], self.expert_weight("gate_up_proj", e, x.dtype)).chunk(2, dim=-1)
-            ys[rows] = F.linear(F.silu(gate) * up, self.expert_weight("down_proj", e, x.dtype)) * ws[rows]
+            gate, up = F.linear(self.activations(xs[rows]), self.expert_weight("gate_up_proj", e, x.dtype)).chunk(
+                2, dim=-1)
+            act = self.activations(F.silu(gate) * up)
+            ys[rows] = F.linear(act, self.expert_weight("down_proj", e, x.dtype)) * ws[rows]
             start += n
         return torch.zeros_like(x).index_add_(0, tokens, ys)
 

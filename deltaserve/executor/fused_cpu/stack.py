@@ -12,7 +12,8 @@ no weight bytes. Projections that read the same input (GDN q|k|v|z|b|a, attentio
 one: their weights go across as the row blocks of one projection, each in its own format (a sparse-MoE
 MLP's router, shared expert gate|up and shared_expert_gate too; its experts go across as the model's 3-D
 tensors, expert e's weight being row block e). The quantized formats' group sizes go across in the dims
-(fp8_group, ...).
+(fp8_group, ...), and so does activation_quantization "int8" of the int8 / int4 weights (int8_activations:
+deltaserve/ops/csrc/linear_int.h, the same scheme as the modules' forward).
 
 Under tensor parallelism a rank's stack is built from its shard: the rank's dims (rank_config; its rows of
 the padded vocabulary) and an all-reduce hook (the model's Shard) that the C++ calls with each row-parallel
@@ -27,6 +28,7 @@ import torch
 
 from deltaserve.model.context import CacheTensors, ForwardContext
 from deltaserve.model.moe import SparseMoeBlock
+from deltaserve.ops.activation_quant import INT8_ACTIVATION_WEIGHTS, reads_int8_activations
 from deltaserve.ops.attention import FP8
 from deltaserve.ops.formats import QUANTIZATIONS, WeightFormat
 from deltaserve.ops.fused_ext import load_extension
@@ -48,26 +50,38 @@ def weight_format(module: torch.nn.Module) -> WeightFormat:
 
 
 class _Weights(dict):
-    """Tensors by the names FusedStack's constructor reads, and the group size of each quantized format they
-    hold (one per format in a stack: the C++ takes them as dims)."""
+    """Tensors by the names FusedStack's constructor reads, the group size of each quantized format they
+    hold (one per format in a stack: the C++ takes them as dims), and whether their int8 / int4 weights read
+    int8 activations (int8_activations: one setting per stack, a dim too; None while there are none)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.groups: dict[str, int] = {}
+        self.int8_activations: bool | None = None
 
-    def add_format(self, fmt: WeightFormat, what: str) -> None:
+    def add_format(self, fmt: WeightFormat, what: str, activation_quantization: str | None = None) -> None:
+        """A weight in fmt; activation_quantization: its module's setting (None: one already counted)."""
         if not fmt.quantized:
             return
         if self.groups.setdefault(fmt.name, fmt.group) != fmt.group:
             raise ValueError(f"the fused step takes one group size per format: {what} is {fmt.name} with group "
                              f"{fmt.group}, another weight has group {self.groups[fmt.name]}")
+        if activation_quantization is not None and fmt.name in INT8_ACTIVATION_WEIGHTS:
+            self.set_int8_activations(reads_int8_activations(activation_quantization, fmt), what)
+
+    def set_int8_activations(self, on: bool, what: str) -> None:
+        if self.int8_activations is None:
+            self.int8_activations = on
+        elif self.int8_activations != on:
+            raise ValueError(f"the fused step takes one activation_quantization per stack: {what} has "
+                             f"{'int8' if on else 'none'}, another int8 / int4 weight the other")
 
     def add_projection(self, parts: dict[str, torch.nn.Module]) -> None:
         """Each part's stored weight as `name` (= "P.weight") and its scales as `name`_scale: the model's
         tensors themselves, in their formats."""
         for name, module in parts.items():
             fmt = weight_format(module)
-            self.add_format(fmt, name)
+            self.add_format(fmt, name, getattr(module, "activation_quantization", "none"))
             self[name] = module.weight.detach()
             scale = getattr(module, "weight_scale", None)
             if scale is not None:
@@ -77,7 +91,7 @@ class _Weights(dict):
         """The experts' 3-D tensors [E, N, K'] (expert e's weight is row block e) and their scales."""
         fmt = weight_format(experts)
         for name in ("gate_up_proj", "down_proj"):
-            self.add_format(fmt, f"{prefix}.{name}")
+            self.add_format(fmt, f"{prefix}.{name}", getattr(experts, "activation_quantization", "none"))
             self[f"{prefix}.{name}"] = getattr(experts, name).detach()
             scale = getattr(experts, f"{name}_scale", None)
             if scale is not None:
@@ -86,6 +100,8 @@ class _Weights(dict):
     def merge(self, other: _Weights) -> None:
         for name, group in other.groups.items():
             self.add_format(WeightFormat(name, group), name)
+        if other.int8_activations is not None:
+            self.set_int8_activations(other.int8_activations, "a layer")
 
 
 def supported(model: torch.nn.Module, cache: CacheTensors) -> str | None:
@@ -211,6 +227,8 @@ class _FusedStack:
             head.merge(w)
         dims = {name: int(getattr(cfg, name)) for name in DIMS}
         dims |= {GROUP_DIMS[name]: group for name, group in head.groups.items()}
+        if head.int8_activations:
+            dims["int8_activations"] = 1
         vocab_rows = head["embed_tokens.weight"].shape[0]
         dims["vocab_size"] = vocab_rows  # under tensor parallelism the rank's rows of the padded vocabulary
         self._impl = ext.FusedStack(dims, cfg.rms_norm_eps, head, [layer.layer_type for layer in layers], weights, mtp)

@@ -34,22 +34,34 @@ WeightPart part_of_spec(const PartSpec& spec, int64_t K, const std::string& what
   return make_part(data, scale.value_or(at::Tensor()), format_named(format), group, K, what);
 }
 
-Linear linear_of(const std::vector<PartSpec>& parts, int64_t K) {
+// activation_quantization as the engine names it: "int8" (the int8 / int4 parts read int8 activations,
+// linear_int.h) or "none".
+bool int8_activations(const std::string& activation_quantization) {
+  TORCH_CHECK(activation_quantization == "int8" || activation_quantization == "none", "activation_quantization '",
+              activation_quantization, "' is not known (int8, none)");
+  return activation_quantization == "int8";
+}
+
+Linear linear_of(const std::vector<PartSpec>& parts, int64_t K, const std::string& activation_quantization = "none") {
   TORCH_CHECK(!parts.empty(), "parts: at least one");
   std::vector<WeightPart> out;
   for (size_t i = 0; i < parts.size(); ++i) out.push_back(part_of_spec(parts[i], K, "part " + std::to_string(i)));
-  return make_linear(std::move(out));
+  Linear l = make_linear(std::move(out));
+  l.int8_activations = int8_activations(activation_quantization);
+  return l;
 }
 
-at::Tensor linear_alone(const at::Tensor& x, const std::vector<PartSpec>& parts) {
+at::Tensor linear_alone(const at::Tensor& x, const std::vector<PartSpec>& parts,
+                        const std::string& activation_quantization) {
   check_float(x, "x", 2);
-  return apply(linear_of(parts, x.size(1)), x);
+  return apply(linear_of(parts, x.size(1), activation_quantization), x);
 }
 
-at::Tensor linear_argmax_alone(const at::Tensor& x, const std::vector<PartSpec>& parts) {
+at::Tensor linear_argmax_alone(const at::Tensor& x, const std::vector<PartSpec>& parts,
+                               const std::string& activation_quantization) {
   check_float(x, "x", 2);
   at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
-  apply(linear_of(parts, x.size(1)), x, out.data_ptr<int64_t>());
+  apply(linear_of(parts, x.size(1), activation_quantization), x, out.data_ptr<int64_t>());
   return out;
 }
 
@@ -198,7 +210,8 @@ void set_all_reduce_hook(FusedStack& stack, pybind11::function hook, int64_t voc
 // up_proj, shared_expert_gate]; shared_down; the experts' 3-D gate_up [E, 2I, H'] and down [E, H, I'] (with
 // their 3-D scales), each as (data, scale, format, group) as stack.py hands them over.
 at::Tensor moe_alone(const at::Tensor& h, const std::vector<PartSpec>& router_shared, const PartSpec& shared_down,
-                     const PartSpec& gate_up, const PartSpec& down, int64_t top_k, bool norm_topk) {
+                     const PartSpec& gate_up, const PartSpec& down, int64_t top_k, bool norm_topk,
+                     const std::string& activation_quantization) {
   check_float(h, "h", 2);
   TORCH_CHECK(router_shared.size() == 4, "router_shared: router, shared gate_proj, up_proj, shared_expert_gate");
   const at::Tensor& gu = std::get<0>(gate_up);
@@ -211,11 +224,12 @@ at::Tensor moe_alone(const at::Tensor& h, const std::vector<PartSpec>& router_sh
               "router [E, H], shared gate_proj and up_proj [Is, H], shared_expert_gate [1, H], shared down [H, Is]");
   TORCH_CHECK(top_k > 0 && top_k <= E, "top_k: 1 .. E");
   MoeWeights w;
-  w.router_shared = linear_of(router_shared, H);
-  w.shared_down = linear_of({shared_down}, Is);
+  w.router_shared = linear_of(router_shared, H, activation_quantization);
+  w.shared_down = linear_of({shared_down}, Is, activation_quantization);
   for (auto [spec, K, out] : {std::tuple{&gate_up, H, &w.gate_up}, {&down, I, &w.down}}) {
     const auto& [data, scale, format, group] = *spec;
     *out = expert_linears(data, scale.value_or(at::Tensor()), format_named(format), group, K, "experts");
+    for (Linear& l : *out) l.int8_activations = int8_activations(activation_quantization);
   }
   return moe_mlp(MoeDims{E, top_k, I, Is, norm_topk}, w, h, nullptr);
 }
@@ -245,16 +259,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // reference). Inputs are checked here; the kernels themselves trust the stack's checks.
   m.def("linear", &linear_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "y = x @ cat(dequantize(part) for part in parts)^T as the stack projects; a part is (data, scale or None, "
-        "format name, group)");
+        "format name, group); activation_quantization 'int8': the int8 / int4 parts as activation_quant.py's "
+        "reference",
+        pybind11::arg("x"), pybind11::arg("parts"), pybind11::arg("activation_quantization") = "none");
   m.def("linear_argmax", &linear_argmax_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "torch.argmax of linear(x, parts) per row, without keeping the outputs");
+        "torch.argmax of linear(x, parts) per row, without keeping the outputs",
+        pybind11::arg("x"), pybind11::arg("parts"), pybind11::arg("activation_quantization") = "none");
   m.def("rms_norm", &rms_norm_alone, "x [T, n] * rsqrt(mean(x^2) + eps) * scale (scale = 1 + RMSNorm.weight)");
   m.def("gated_rms_norm", &gated_rms_norm_alone, "x * rsqrt(mean(x^2) + eps) * weight * silu(z) over x's last dim");
   m.def("rotary", &rotary_alone, "x [T, heads, head_dim] with rotate-half RoPE on its first 2 len(inv_freq) dims");
   m.def("gdn_recurrence", &gdn_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Gated DeltaNet's conv, recurrence and gated norm on in_proj outputs: (core, verify conv, verify ssm)");
   m.def("moe_mlp", &moe_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "the sparse-MoE MLP [T, H] of normed rows h: routed experts plus the gated shared expert (moe.h)");
+        "the sparse-MoE MLP [T, H] of normed rows h: routed experts plus the gated shared expert (moe.h)",
+        pybind11::arg("h"), pybind11::arg("router_shared"), pybind11::arg("shared_down"), pybind11::arg("gate_up"),
+        pybind11::arg("down"), pybind11::arg("top_k"), pybind11::arg("norm_topk"),
+        pybind11::arg("activation_quantization") = "none");
   m.def("paged_attention", &attention_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "out [T, nh, hd]: each query token's attention over its sequence's cached positions 0 .. positions[t] "
         "(an fp8 cache with its k_scale and v_scale)",

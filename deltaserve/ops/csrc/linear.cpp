@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "linear_int.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -472,7 +473,9 @@ at::Tensor apply(const Linear& l, const at::Tensor& x, int64_t* argmax) {
   const float* xp = x.data_ptr<float>();
   float* yp = argmax == nullptr ? y.data_ptr<float>() : nullptr;
   const bool packed = packed_rows(T);
-  const int64_t block = packed ? kRowBlock : T;  // rows per pass over the weights
+  // x quantized once for the int8-activation parts (linear_int.h), if l has any: they run its integer kernel
+  const ActivationRows int8_rows = quantize_activations(l, xp, T);
+  const int64_t block = packed || int8_rows.defined() ? kRowBlock : T;  // rows per pass over the weights
   std::vector<float> best_value(argmax == nullptr ? 0 : T * P);  // [T, P]: each row's best in each panel
   std::vector<int64_t> best_column(best_value.size());
   for (int64_t r0 = 0; r0 < T; r0 += block) {
@@ -484,7 +487,11 @@ at::Tensor apply(const Linear& l, const at::Tensor& x, int64_t* argmax) {
         const int64_t n0 = p * kPanel, ncols = std::min(kPanel, N - n0);
         float* out = yp != nullptr ? yp + r0 * N + n0 : local.data();
         const int64_t ldo = yp != nullptr ? N : kPanel;
-        project_panel(l, xp + r0 * K, r1 - r0, n0, ncols, packed, tile, out, ldo);
+        if (int8_rows.defined()) {
+          int_panel(l, int8_rows, xp, r0, r1, n0, ncols, packed, tile, out, ldo);
+        } else {
+          project_panel(l, xp + r0 * K, r1 - r0, n0, ncols, packed, tile, out, ldo);
+        }
         for (int64_t r = 0; yp == nullptr && r < r1 - r0; ++r) {
           const int64_t at = first_argmax(out + r * kPanel, ncols);
           best_value[(r0 + r) * P + p] = out[r * kPanel + at];

@@ -18,6 +18,8 @@ struct Linear {
   std::vector<WeightPart> parts;
   std::vector<int64_t> starts;  // the first output of each part, then N
   int64_t N = 0, K = 0;
+  // Whether its int8 / int4 parts quantize x to int8 first (activation_quantization = "int8"; linear_int.h).
+  bool int8_activations = false;
 
   bool defined() const { return N > 0; }
 };

@@ -96,7 +96,9 @@ class NamedTensors {
   Linear projection(const std::vector<std::pair<std::string, int64_t>>& parts, int64_t K, const Dims& d) {
     std::vector<WeightPart> weights;
     for (const auto& [name, rows] : parts) weights.push_back(weight(name, rows, K, d));
-    return make_linear(std::move(weights));
+    Linear l = make_linear(std::move(weights));
+    l.int8_activations = d.int8_activations;
+    return l;
   }
 
   bool has(const std::string& name) const { return tensors_.count(name) != 0; }
@@ -144,6 +146,8 @@ Dims dims_by_name(std::map<std::string, int64_t> dims, double eps) {
                              {"int4_group", &d.int4_group}}) {
     if (dims.count(name) != 0) *group = take(name);
   }
+  // activation_quantization = "int8" (present and 1): the int8 / int4 projections read int8 activations
+  if (dims.count("int8_activations") != 0) d.int8_activations = take("int8_activations", true) != 0;
   d.conv_dim = 2 * d.hk * d.dk + d.hv * d.dv;
   d.eps = static_cast<float>(eps);
   for (const auto& [name, v] : dims) TORCH_CHECK(false, "FusedStack: unexpected dim ", name);
@@ -175,6 +179,7 @@ MoeWeights take_moe(NamedTensors& w, const Dims& d) {
     const auto [experts, scales] = w.stored(name, {E, N}, K, format);
     (N == H ? out.down : out.gate_up) = expert_linears(experts, scales, format, d.group(format), K,
                                                        "FusedStack: " + w.where() + name);
+    for (Linear& l : N == H ? out.down : out.gate_up) l.int8_activations = d.int8_activations;
   }
   return out;
 }
@@ -263,6 +268,7 @@ FusedStack::FusedStack(std::map<std::string, int64_t> dims, double eps, std::map
                                 {"self_attn.v_proj.weight", kv_rows}},
                                H, d_);
       l.a.kv_w = make_linear({l.a.qkv_w.parts[1], l.a.qkv_w.parts[2]});  // k | v alone, the same tensors
+      l.a.kv_w.int8_activations = l.a.qkv_w.int8_activations;
       l.a.q_scale = w.take("self_attn.q_norm.scale", {d_.hd});
       l.a.k_scale = w.take("self_attn.k_norm.scale", {d_.hd});
       l.a.o_w = w.projection({{"self_attn.o_proj.weight", H}}, d_.nh * d_.hd, d_);

@@ -34,6 +34,7 @@ struct Dims {
   int64_t nh, nkv, hd, rotary_dim;           // attention
   MoeDims moe;                               // sparse MLPs (0 experts in a dense model)
   int64_t fp8_group = 0, int8_group = 0, int4_group = 0;  // columns per scale (0: no such weights)
+  bool int8_activations = false;  // int8 / int4 projections quantize their input rows (linear_int.h)
   float eps;
 
   int64_t group(Format f) const {

@@ -1,0 +1,325 @@
+#include "linear_int.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace deltaserve {
+
+namespace {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+// Row x[0, K) quantized per group (activation_quant.py's quantize_activations): q [K] and scales [groups].
+// scale = amax / 127 and q = x / scale rounded to nearest even (the two fp32 operations torch does, so the
+// bytes are the reference's); an all-zero group has scale 0 and q 0; a group with a NaN or infinity has q 0
+// and scale NaN, so that its outputs are NaN, as they are without activation quantization.
+void quantize_row(const float* x, int64_t K, int64_t group, int8_t* q, float* scales) {
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
+    const int64_t k1 = std::min(K, k0 + group);
+    float amax = 0.0f;
+    bool finite = true;
+    for (int64_t k = k0; k < k1; ++k) {
+      amax = std::max(amax, std::fabs(x[k]));
+      finite = finite && std::isfinite(x[k]);
+    }
+    const float scale = amax / 127.0f;
+    finite = finite && std::isfinite(scale);
+    scales[g] = finite ? scale : NAN;
+    for (int64_t k = k0; k < k1; ++k) {
+      const float v = finite && scale > 0.0f ? std::nearbyint(x[k] / scale) : 0.0f;
+      q[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+    }
+  }
+}
+
+// The column of lane l's first value in chunk c (int8: 4 consecutive columns; int4: the even or the odd
+// columns of 8 consecutive ones).
+int64_t lane_column(Format f, int64_t c, int64_t l) {
+  return 64 * c + (f == Format::kInt8 ? 4 * l : 8 * (l % 8) + l / 8);
+}
+
+// Where column i (< 64) of a chunk goes in its 64 bytes.
+int64_t lane_byte(Format f, int64_t i) { return f == Format::kInt8 ? i : (i % 2) * 32 + i / 2; }
+
+QuantizedRows quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group) {
+  QuantizedRows q;
+  q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
+  q.lanes = kVnni && group % 8 == 0;
+  q.chunks = (K + 63) / 64;
+  const int64_t C = q.chunks, G = q.groups;
+  std::vector<int8_t> row(K);
+  std::vector<float> scales(G);
+  if (!q.lanes) {
+    q.bytes.resize(T * K), q.scales.resize(T * G);
+    for (int64_t t = 0; t < T; ++t) {
+      quantize_row(x + t * K, K, group, reinterpret_cast<int8_t*>(q.bytes.data()) + t * K, q.scales.data() + t * G);
+    }
+    return q;
+  }
+  q.lane_group.resize(C * 16);
+  for (int64_t c = 0; c < C; ++c) {
+    for (int64_t l = 0; l < 16; ++l) {  // (a lane past K: the last group, whose scale is there to read)
+      q.lane_group[c * 16 + l] = std::min(lane_column(f, c, l) / group, G - 1) - 64 * c / group;
+    }
+  }
+  q.bytes.assign(T * C * 64, f == Format::kInt8 ? 128 : 0);  // columns past K: q_x = 0
+  q.scales.assign(T * C * 16, 0.0f);
+  if (f == Format::kInt4) q.bias.assign(T * C * 16, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    quantize_row(x + t * K, K, group, row.data(), scales.data());
+    uint8_t* bytes = q.bytes.data() + t * C * 64;
+    for (int64_t k = 0; k < K; ++k) {
+      const uint8_t v = static_cast<uint8_t>(row[k]);
+      bytes[(k / 64) * 64 + lane_byte(f, k % 64)] = f == Format::kInt8 ? static_cast<uint8_t>(v ^ 0x80) : v;
+    }
+    for (int64_t c = 0; c < C; ++c) {
+      for (int64_t l = 0; l < 16; ++l) {
+        const int64_t at = (t * C + c) * 16 + l;
+        q.scales[at] = scales[std::min(lane_column(f, c, l) / group, G - 1)];
+        if (f != Format::kInt4) continue;
+        int32_t sum = 0;
+        for (int m = 0; m < 4; ++m) sum += static_cast<int8_t>(bytes[c * 64 + 4 * l + m]);
+        q.bias[at] = -8 * sum;
+      }
+    }
+  }
+  return q;
+}
+
+const uint8_t* data_of(const WeightPart& p) { return static_cast<const uint8_t*>(p.data.data_ptr()); }
+const uint16_t* scales_of(const WeightPart& p) { return static_cast<const uint16_t*>(p.scale.data_ptr()); }
+
+// The plain path (any group; builds without AVX512-VNNI): outputs j < count of part p from local row row0, for
+// rows t < T of q from t0, group by group: y = sum over groups of float(int32 dot) x (scale_x x scale_w).
+void plain_part(const WeightPart& p, int64_t row0, int64_t count, const QuantizedRows& q, int64_t t0, int64_t T,
+                float* y, int64_t ldy) {
+  const int64_t K = p.K, G = p.groups;
+  std::vector<int8_t> w(K);
+  for (int64_t j = 0; j < count; ++j) {
+    const uint8_t* r = data_of(p) + (row0 + j) * p.row_bytes;
+    for (int64_t k = 0; k < K; ++k) {
+      const int nibble = ((r[k / 2] >> (4 * (k % 2))) & 0x0F) - 8;
+      w[k] = p.format == Format::kInt8 ? static_cast<int8_t>(r[k]) : static_cast<int8_t>(nibble);
+    }
+    const uint16_t* sw = scales_of(p) + (row0 + j) * G;
+    for (int64_t t = 0; t < T; ++t) {
+      const int8_t* x = reinterpret_cast<const int8_t*>(q.bytes.data()) + (t0 + t) * K;
+      const float* sx = q.scales.data() + (t0 + t) * G;
+      float sum = 0.0f;
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t dot = 0;
+        for (int64_t k = g * p.group; k < std::min(K, (g + 1) * p.group); ++k) dot += int32_t(x[k]) * w[k];
+        sum += static_cast<float>(dot) * (sx[g] * bf16_to_float(sw[g]));
+      }
+      y[t * ldy + j] = sum;
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// One output's 64 columns of chunk c as vpdpbusd reads them: the weight bytes (int8: s8 q_w; int4: u8 q_w + 8,
+// low nibbles then high ones), the int8 accumulator start (-128 x each lane's sum of q_w) and each lane's
+// group's scale s_w (`rel`: each lane's group's place in `window`, the output's widened scales from a group on).
+template <Format F>
+struct OutputChunk {
+  __m512i w, start;
+  __m512 scale;
+};
+
+template <Format F>
+inline OutputChunk<F> output_chunk(const uint8_t* row, int64_t k0, int64_t K, int64_t row_bytes, __m512 window,
+                                   __m512i rel) {
+  OutputChunk<F> o;
+  const __m512i zero = _mm512_setzero_si512();
+  if constexpr (F == Format::kInt8) {
+    const int64_t n = K - k0;  // columns of this chunk (past K: zero weights)
+    o.w = n >= 64 ? _mm512_loadu_si512(row + k0) : _mm512_maskz_loadu_epi8((1ull << n) - 1, row + k0);
+    o.start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(static_cast<char>(0x80)), o.w));
+  } else {
+    const int64_t n = row_bytes - k0 / 2;
+    const __m256i b = n >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k0 / 2))
+                              : _mm256_maskz_loadu_epi8(static_cast<__mmask32>((1ull << n) - 1), row + k0 / 2);
+    // both halves hold the 32 bytes; the high half shifted by 4: low nibbles, then high nibbles
+    const __m512i shift = _mm512_inserti64x4(zero, _mm256_set1_epi16(4), 1);
+    o.w = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(b), shift), _mm512_set1_epi8(0x0F));
+    o.start = zero;
+  }
+  o.scale = _mm512_permutexvar_ps(rel, window);
+  return o;
+}
+
+// 16 scales of a row from group g on (those there are, `have`), widened from bf16.
+inline __m512 scale_window(const uint16_t* scales, int64_t g, __mmask16 have) {
+  const __m512i s = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(have, scales + g));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(s, 16));
+}
+
+// acc += the chunk's lanes of one row (x bytes xv, lane scales sx, int4's lane bias) times one output.
+template <Format F>
+inline __m512 add_product(__m512 acc, const OutputChunk<F>& o, __m512i xv, __m512 sx, __m512i bias) {
+  __m512i d;
+  if constexpr (F == Format::kInt8) {
+    d = _mm512_dpbusd_epi32(o.start, xv, o.w);  // (q_x + 128) q_w - 128 q_w
+  } else {
+    d = _mm512_dpbusd_epi32(bias, o.w, xv);  // (q_w + 8) q_x - 8 q_x
+  }
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sx, o.scale), acc);
+}
+
+// R rows of q (from t0) times NO consecutive weight rows of part p (from local row row0), 64 columns a step:
+// each weight byte is loaded once for all R rows (the VNNI layout, top of linear_int.h).
+template <Format F, int NO, int R>
+void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_t t0, float* y, int64_t ldy) {
+  const int64_t C = q.chunks, K = p.K;
+  const uint8_t* rows[NO];
+  const uint16_t* srows[NO];
+  for (int j = 0; j < NO; ++j) {
+    rows[j] = data_of(p) + (row0 + j) * p.row_bytes;
+    srows[j] = scales_of(p) + (row0 + j) * p.groups;
+  }
+  __m512 acc[R][NO];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  // Each output's scales of 16 groups from group gw on, widened once and reused by the chunks they cover (a
+  // chunk spans at most 8 groups of a multiple of 8 columns): a third fewer instructions per chunk than
+  // widening its own scales.
+  __m512 window[NO];
+  int64_t gw = -16;
+  // While a block streams its NO weight rows, the same lines of the next block's rows are prefetched into L2,
+  // once per line, as dot_block does (NO interleaved streams, which the hardware prefetcher does not keep
+  // ahead), and only for short rows (a block of 16 KB or less), where dot_block measured it to pay.
+  const int64_t ahead = NO * p.row_bytes, chunk_bytes = F == Format::kInt8 ? 64 : 32;
+  const bool prefetch = ahead <= 16384;
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t k0 = 64 * c, g0 = k0 / p.group;
+    if (prefetch && (c * chunk_bytes) % 64 == 0) {
+      for (int j = 0; j < NO; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + c * chunk_bytes + ahead), _MM_HINT_T1);
+      }
+    }
+    if (g0 - gw > 8) {
+      gw = g0;
+      const __mmask16 have = p.groups - gw >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (p.groups - gw)) - 1);
+      for (int j = 0; j < NO; ++j) window[j] = scale_window(srows[j], gw, have);
+    }
+    const __m512i rel = _mm512_add_epi32(_mm512_loadu_si512(q.lane_group.data() + 16 * c),
+                                         _mm512_set1_epi32(static_cast<int>(g0 - gw)));
+    // row r's chunk: its bytes, lane scales and (int4) lane bias
+    auto row_chunk = [&](int r, __m512i& xv, __m512& sx, __m512i& bias) {
+      const int64_t at = (t0 + r) * C + c;
+      xv = _mm512_loadu_si512(q.bytes.data() + at * 64);
+      sx = _mm512_loadu_ps(q.scales.data() + at * 16);
+      bias = F == Format::kInt4 ? _mm512_loadu_si512(q.bias.data() + at * 16) : _mm512_setzero_si512();
+    };
+    __m512i xv, bias;
+    __m512 sx;
+    if constexpr (R == 1) {  // one output at a time: its registers die at once (8 outputs' would spill)
+      row_chunk(0, xv, sx, bias);
+      for (int j = 0; j < NO; ++j) {
+        const OutputChunk<F> o = output_chunk<F>(rows[j], k0, K, p.row_bytes, window[j], rel);
+        acc[0][j] = add_product<F>(acc[0][j], o, xv, sx, bias);
+      }
+    } else {  // the outputs' chunks once, for every row
+      OutputChunk<F> o[NO];
+      for (int j = 0; j < NO; ++j) o[j] = output_chunk<F>(rows[j], k0, K, p.row_bytes, window[j], rel);
+      for (int r = 0; r < R; ++r) {
+        row_chunk(r, xv, sx, bias);
+        for (int j = 0; j < NO; ++j) acc[r][j] = add_product<F>(acc[r][j], o[j], xv, sx, bias);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < NO; ++j) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r][j]);
+  }
+}
+
+// Outputs [row0, row0 + count) of part p for rows t < T of q from t0: one row 8 outputs at a time, two rows 4;
+// more, 2 outputs x 4 rows at a time, so that the outputs' weights stay in L1 while the row tiles pass (4 x 4
+// spilled registers; 2 x 4 measured 1.5x its throughput per row at 4 to 16 rows, and 4 x 2 1.3x 2 x 2 at two).
+template <Format F>
+void int_part(const WeightPart& p, int64_t row0, int64_t count, const QuantizedRows& q, int64_t t0, int64_t T,
+              float* y, int64_t ldy) {
+  int64_t j = 0;
+  if (T == 1) {
+    for (; j + 8 <= count; j += 8) int_block<F, 8, 1>(p, row0 + j, q, t0, y + j, ldy);
+  }
+  if (T == 2) {
+    for (; j + 4 <= count; j += 4) int_block<F, 4, 2>(p, row0 + j, q, t0, y + j, ldy);
+  }
+  for (; j + 2 <= count; j += 2) {
+    for (int64_t t = 0; t < T; t += 4) {
+      with_rows<4>(std::min<int64_t>(4, T - t), [&](auto R) {
+        int_block<F, 2, decltype(R)::value>(p, row0 + j, q, t0 + t, y + t * ldy + j, ldy);
+      });
+    }
+  }
+  for (; j < count; ++j) {
+    for (int64_t t = 0; t < T; t += 4) {
+      with_rows<4>(std::min<int64_t>(4, T - t), [&](auto R) {
+        int_block<F, 1, decltype(R)::value>(p, row0 + j, q, t0 + t, y + t * ldy + j, ldy);
+      });
+    }
+  }
+}
+#endif
+
+const QuantizedRows& layout_for(const ActivationRows& a, const WeightPart& p) {
+  for (const QuantizedRows& q : a.layouts) {
+    if (q.format == p.format && q.group == p.group) return q;
+  }
+  TORCH_CHECK(false, "int8 activations: no quantized rows for a ", format_name(p.format), " part of group ", p.group);
+}
+
+}  // namespace
+
+ActivationRows quantize_activations(const Linear& l, const float* x, int64_t T) {
+  ActivationRows a;
+  for (const WeightPart& p : l.parts) {
+    if (!reads_int8_activations(l, p)) continue;
+    const bool have = std::any_of(a.layouts.begin(), a.layouts.end(), [&](const QuantizedRows& q) {
+      return q.format == p.format && q.group == p.group;
+    });
+    if (!have) a.layouts.push_back(quantize_for(x, T, l.K, p.format, p.group));
+  }
+  return a;
+}
+
+void int_panel(const Linear& l, const ActivationRows& a, const float* x, int64_t r0, int64_t r1, int64_t n0,
+               int64_t ncols, bool packed, std::vector<float>& tile, float* out, int64_t ldo) {
+  for (int64_t n = n0; n < n0 + ncols;) {
+    const int64_t i = std::upper_bound(l.starts.begin(), l.starts.end(), n) - l.starts.begin() - 1;
+    const int64_t count = std::min(n0 + ncols, l.starts[i + 1]) - n;
+    const WeightPart& p = l.parts[i];
+    float* y = out + (n - n0);
+    if (!reads_int8_activations(l, p)) {
+      project_panel(l, x + r0 * l.K, r1 - r0, n, count, packed, tile, y, ldo);
+    } else {
+      const QuantizedRows& q = layout_for(a, p);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if (q.lanes) {
+        if (p.format == Format::kInt8) {
+          int_part<Format::kInt8>(p, n - l.starts[i], count, q, r0, r1 - r0, y, ldo);
+        } else {
+          int_part<Format::kInt4>(p, n - l.starts[i], count, q, r0, r1 - r0, y, ldo);
+        }
+        n += count;
+        continue;
+      }
+#endif
+      plain_part(p, n - l.starts[i], count, q, r0, r1 - r0, y, ldo);
+    }
+    n += count;
+  }
+}
+
+}  // namespace deltaserve

@@ -1,0 +1,61 @@
+// Projections of int8 / int4 weights with int8 activations (activation_quantization = "int8";
+// deltaserve/ops/activation_quant.py defines the scheme and is its reference). Each call quantizes its rows of
+// x once, per row and per group of the weights' `group` columns, to int8 with an fp32 scale (amax / 127,
+// round to nearest even), and each weight row is streamed once, as stored, through AVX512-VNNI's vpdpbusd
+// (u8 x s8 -> int32, four products per lane):
+//   - int8 weights: the activations go in as u8 q_x + 128, the weights as they are (s8); the extra 128 x
+//     sum(q_w) of each lane is subtracted by starting the lane's accumulator at -vpdpbusd(128, q_w), which is
+//     computed once per output and 64 weights and shared by every row. (Moving the sign of x onto w instead,
+//     |q_x| u8 x sign(x) q_w, costs a masked negate per row and output: more for rows >= 2.)
+//   - int4 weights: the stored nibble q_w + 8 is already u8 and x is s8; the extra 8 x sum(q_x) of each lane
+//     is the accumulator's start, computed once per row when x is quantized. The 32 bytes of 64 columns are
+//     split into their low nibbles (the even columns) and high ones (the odd columns), and x is laid out
+//     to match: each 64 columns' even ones, then their odd ones.
+// Each lane's int32 dot (4 columns, of one group) is converted to fp32 once per 64 columns and multiplied by
+// its group's scale_x x scale_w; the 16 lanes are summed at the end. This needs every lane inside one group:
+// a group that is a multiple of 8 (the default 32 is). Other groups, and builds without AVX512-VNNI (the
+// portable one), compute the same scheme with plain loops, group by group.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "linear.h"
+
+namespace deltaserve {
+
+// Whether part p of projection l reads int8 activations (its int8 / int4 weights do; other formats read x).
+inline bool reads_int8_activations(const Linear& l, const WeightPart& p) {
+  return l.int8_activations && (p.format == Format::kInt8 || p.format == Format::kInt4);
+}
+
+
+// The rows of x quantized for the parts of one format and group.
+struct QuantizedRows {
+  Format format = Format::kInt8;
+  int64_t group = 0, groups = 0, K = 0;
+  bool lanes = false;  // the VNNI layout (below); else plain: bytes [T, K] q_x, scales [T, groups]
+  int64_t chunks = 0;  // 64 columns each
+  // lanes: bytes [T, chunks, 64] (int8: q_x + 128 in column order; int4: each chunk's even columns' q_x,
+  // then its odd ones'), scales [T, chunks, 16] (each lane's group's scale_x), bias [T, chunks, 16] (int4:
+  // -8 x the sum of the lane's q_x) and lane_group [chunks, 16] (the lane's group minus the chunk's first).
+  std::vector<uint8_t> bytes;
+  std::vector<float> scales;
+  std::vector<int32_t> bias, lane_group;
+};
+
+// x's rows quantized for each (format, group) that l's int8-activation parts have; empty when l has none.
+struct ActivationRows {
+  std::vector<QuantizedRows> layouts;
+  bool defined() const { return !layouts.empty(); }
+};
+
+ActivationRows quantize_activations(const Linear& l, const float* x, int64_t T);
+
+// out[r * ldo + j] = row r0 + r of x times output n0 + j for r < r1 - r0, j < ncols (one panel): the
+// int8-activation parts through the integer kernel, the others through project_panel (packed: its kernel).
+void int_panel(const Linear& l, const ActivationRows& a, const float* x, int64_t r0, int64_t r1, int64_t n0,
+               int64_t ncols, bool packed, std::vector<float>& tile, float* out, int64_t ldo);
+
+}  // namespace deltaserve

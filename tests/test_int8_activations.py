@@ -1,0 +1,222 @@
+"""Activation quantization (activation_quantization = "int8", deltaserve/ops/activation_quant.py): the C++
+integer kernel (deltaserve/ops/csrc/linear_int.h; VNNI lanes where the group is a multiple of 8, plain loops
+otherwise and in the portable build) against the scheme's reference, in every row count the engine runs
+(decode, verify rows, batched steps, prompt chunks), with partial groups, odd K and K not a multiple of 64,
+parts of several formats in one projection, the fused argmax and the sparse-MoE MLP; the Python modules'
+forward against the same reference; and the setting's checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.engine.config import EngineConfig, EngineConfigError
+from deltaserve.model.linear import Linear, store
+from deltaserve.ops.activation_quant import fake_quantize, linear_reference, quantize_activations
+from deltaserve.ops.formats import WeightFormat, dequantize, quantize
+from deltaserve.ops.fused_ext import load_extension
+from tests.test_kernels import assert_close_to, fmt_id, reference, spec
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def ext(request):
+    return load_extension(portable=request.param == "portable")
+
+
+# groups that are multiples of 8 take the VNNI lanes (native build), 10 and 6 the plain loops
+FORMATS = [WeightFormat.of("int8"), WeightFormat.of("int4"), WeightFormat.of("int8", 8), WeightFormat.of("int4", 16),
+           WeightFormat.of("int8", 24), WeightFormat.of("int4", 128), WeightFormat.of("int8", 10),
+           WeightFormat.of("int4", 6)]
+SHAPES = [(70, 33), (130, 200), (5, 1), (64, 1100), (9, 127), (17, 64)]  # (N, K)
+
+
+def int_bound(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat, k: int) -> torch.Tensor:
+    """K ulps of sum |x~ w| (fp32 sums in any order) for the quantized x~: far below one step of q_x."""
+    w = dequantize(data, scale, fmt, k).double().abs()
+    return (k + 4) * 2.0**-23 * (fake_quantize(x, fmt.group).double().abs() @ w.T) + 1e-30
+
+
+def assert_matches_the_scheme(got: torch.Tensor, x: torch.Tensor, part: tuple, k: int) -> None:
+    data, scale, name, group = part
+    fmt = WeightFormat.of(name, group)
+    want = linear_reference(x, data, scale, fmt, k).double()
+    error = (got.double() - want).abs()
+    assert (error <= int_bound(x, data, scale, fmt, k)).all(), error.max()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 13, 16, 20, 130])
+def test_int8_activation_projection_is_the_scheme(ext, fmt: WeightFormat, rows: int) -> None:
+    """Each output is the reference's sum of exact int32 group dots times scale_x x scale_w, but for the order
+    of its fp32 sums; the same rows alone give the same numbers (one row: the 8-output block)."""
+    g = torch.Generator().manual_seed(rows)
+    for n_out, k_in in SHAPES:
+        part = spec(torch.randn(n_out, k_in, generator=g), fmt)
+        x = torch.randn(rows, k_in, generator=g) * torch.logspace(-3, 3, rows)[:, None]
+        if rows > 2:
+            x[2] = 0.0  # an all-zero row: scale 0
+        got = ext.linear(x, [part], "int8")
+        assert got.shape == (rows, n_out) and got.dtype == torch.float32
+        assert_matches_the_scheme(got, x, part, k_in)
+        assert torch.equal(ext.linear(x[:1].contiguous(), [part], "int8"), got[:1])
+        if k_in >= 33:  # not the float path: its outputs are off by the quantization of x
+            assert not torch.equal(got, ext.linear(x, [part], "none"))
+
+
+def test_a_non_finite_group_makes_its_row_nan(ext) -> None:
+    g = torch.Generator().manual_seed(0)
+    for fmt in (WeightFormat.of("int8"), WeightFormat.of("int4"), WeightFormat.of("int8", 10)):
+        part = spec(torch.randn(20, 70, generator=g), fmt)
+        x = torch.randn(3, 70, generator=g)
+        x[1, 40] = float("nan")
+        x[2, 3] = float("inf")
+        got = ext.linear(x, [part], "int8")
+        assert got[1:].isnan().all() and not got[0].isnan().any()
+        assert linear_reference(x, *part[:2], fmt, 70)[1:].isnan().all()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 20])
+def test_parts_in_several_formats_each_take_their_path(ext, rows: int) -> None:
+    """int8 q|k|v with float32 b|a in one projection (as the loader leaves GDN's in_proj): the int8 / int4
+    parts (of two groups: x is quantized for each) follow the scheme, the others the float path."""
+    g = torch.Generator().manual_seed(rows)
+    k_in = 200
+    formats = [WeightFormat.of("int8"), WeightFormat.of("bfloat16"), WeightFormat.of("int4", 16),
+               WeightFormat.of("fp8"), WeightFormat.of("float32"), WeightFormat.of("int8")]
+    parts = [spec(torch.randn(n, k_in, generator=g), fmt) for n, fmt in zip((48, 21, 3, 66, 2, 70), formats)]
+    x = torch.randn(rows, k_in, generator=g)
+    got = ext.linear(x, parts, "int8")
+    start = 0
+    for part, fmt in zip(parts, formats, strict=True):
+        n = part[0].shape[0]
+        mine = got[:, start:start + n]
+        if fmt.name in ("int8", "int4"):
+            assert_matches_the_scheme(mine, x, part, k_in)
+        else:
+            assert_close_to(mine, reference(x, [part], k_in), x, [part], k_in)
+        start += n
+
+
+@pytest.mark.parametrize("fmt", FORMATS[:2] + FORMATS[-1:], ids=fmt_id)
+@pytest.mark.parametrize("rows", [1, 6, 20])
+def test_int8_activation_argmax_is_torch_argmax_of_its_outputs(ext, fmt: WeightFormat, rows: int) -> None:
+    """The greedy path of an int8 / int4 lm_head (linear_argmax) under the scheme: ties and NaN included."""
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(300, 50, generator=g)
+    weight[250] = weight[10]  # a tie across panels: column 10 wins
+    part = spec(weight, fmt)
+    x = torch.randn(rows, 50, generator=g)
+    x[0] = weight[10]
+    if rows > 1:
+        x[1, 3] = float("nan")
+    got = ext.linear_argmax(x, [part], "int8")
+    assert torch.equal(got, ext.linear(x, [part], "int8").argmax(dim=1))
+    assert got[0] == 10
+
+
+def test_an_unknown_setting_is_named(ext) -> None:
+    part = spec(torch.randn(4, 32), WeightFormat.of("int8"))
+    with pytest.raises(RuntimeError, match="activation_quantization 'int4' is not known"):
+        ext.linear(torch.randn(1, 32), [part], "int4")
+
+
+def test_quantized_rows_are_the_documented_ones() -> None:
+    x = torch.tensor([[1.0, -0.5, 0.25, 127.0, 0.0, 0.0, 3.0], [0.5, 1.5, -2.5, 0.0, 0.0, 0.0, 0.0]])
+    q, scale = quantize_activations(x, 4)
+    assert torch.equal(scale, torch.tensor([[1.0, 3.0 / 127], [2.5 / 127, 0.0]]))
+    assert torch.equal(q[0, :4], torch.tensor([1, 0, 0, 127], dtype=torch.int8))  # -0.5, 0.25: to even
+    assert torch.equal(q[0, 4:], torch.tensor([0, 0, 127], dtype=torch.int8))
+    assert torch.equal(q[1, :3], torch.tensor([25, 76, -127], dtype=torch.int8))  # 76.2 -> 76
+    assert torch.equal(q[1, 4:], torch.zeros(3, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_the_python_module_and_the_kernel_compute_the_scheme(ext, name: str) -> None:
+    """Linear.forward with activation_quantization "int8" (the torch executor's path): the reference's sums,
+    and with "none" the dequantized matmul; the fused kernel agrees with it."""
+    g = torch.Generator().manual_seed(1)
+    fmt = WeightFormat.of(name)
+    module = Linear(100, 40)
+    store(module, fmt)
+    data, scale = quantize(torch.randn(40, 100, generator=g), fmt)
+    module.weight.data.copy_(data)
+    module.weight_scale.data.copy_(scale)
+    x = torch.randn(5, 100, generator=g)
+    part = (module.weight, module.weight_scale, name, fmt.group)
+    with torch.no_grad():
+        exact = module(x)
+        module.activation_quantization = "int8"
+        got = module(x)
+    assert_matches_the_scheme(got, x, part, 100)
+    torch.testing.assert_close(ext.linear(x, [part], "int8"), got, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(exact, x @ dequantize(data, scale, fmt, 100).T, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(got, exact)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_moe_mlp_with_int8_activations_matches_the_python_block(ext, name: str, rows: int) -> None:
+    """The experts and the shared expert, stored in int8 / int4, quantize their inputs in both the C++ MoE MLP
+    and the Python block; the router stays float32 (as the loader leaves it) and reads x as it is."""
+    from deltaserve.config import ModelConfig
+    from deltaserve.model.linear import StoredWeights
+    from deltaserve.model.moe import SparseMoeBlock
+    from tests.checkpoints import TINY, hf_moe_config
+
+    cfg = ModelConfig.from_dict({**hf_moe_config("qwen3_5_moe", TINY).to_dict(), "architectures": None})
+    torch.manual_seed(rows)
+    block = SparseMoeBlock(cfg)
+    fmt = WeightFormat.of(name)
+    with torch.no_grad():
+        for p in block.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        for module_name, module in block.named_modules():
+            if not isinstance(module, StoredWeights) or module_name == "gate":
+                continue
+            values = {w: getattr(module, w).detach().clone() for w in module.WEIGHTS}
+            store(module, fmt)
+            for w, v in values.items():
+                data, scale = quantize(v, fmt)
+                getattr(module, w).copy_(data)
+                module.scale(w).copy_(scale)
+            module.activation_quantization = "int8"
+    stored = {}
+    for module_name, module in block.named_modules():
+        if isinstance(module, StoredWeights):
+            for w in module.WEIGHTS:
+                f = module.fmt
+                key = f"{module_name}.{w}"
+                stored[key] = (getattr(module, w).detach(), module.scale(w), f.name, f.group)
+    x = torch.randn(rows, cfg.hidden_size)
+    args = ([stored[n] for n in ("gate.weight", "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
+                                 "shared_expert_gate.weight")],
+            stored["shared_expert.down_proj.weight"], stored["experts.gate_up_proj"], stored["experts.down_proj"],
+            cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    got = ext.moe_mlp(x, *args, activation_quantization="int8")
+    with torch.no_grad():
+        want = block(x)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (got - ext.moe_mlp(x, *args)).abs().max() > 1e-4  # the float path differs by the quantization
+
+
+def test_the_setting_defaults_to_int8_for_int_weights_and_refuses_others() -> None:
+    assert EngineConfig(quantization="int8").activation_quantization == "int8"
+    assert EngineConfig(quantization="int4").activation_quantization == "int8"
+    assert EngineConfig(quantization="int4", activation_quantization="none").activation_quantization == "none"
+    assert EngineConfig().activation_quantization == "none"
+    assert EngineConfig(quantization="fp8").activation_quantization == "none"
+    with pytest.raises(EngineConfigError, match="applies to int8 or int4 weights .*not to 'fp8'"):
+        EngineConfig(quantization="fp8", activation_quantization="int8")
+    with pytest.raises(EngineConfigError, match="applies to int8 or int4 weights"):
+        EngineConfig(activation_quantization="int8")
+    with pytest.raises(EngineConfigError, match="activation_quantization 'fp8' is not known; accepted: int8, none"):
+        EngineConfig(quantization="int8", activation_quantization="fp8")
+
+
+def test_the_cli_flag_reaches_the_engine_config() -> None:
+    from deltaserve.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["serve", "-q", "int4", "--activation-quantization", "none"])
+    assert EngineConfig(**engine_kwargs(args)).activation_quantization == "none"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--activation-quantization", "int4"])
