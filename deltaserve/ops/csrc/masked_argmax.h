@@ -15,8 +15,9 @@ namespace deltaserve {
 // allowed[t * words ...] refuses, and for every NaN. A refused token's value does not depend on its logit,
 // so only the panels holding an allowed token are projected (by apply's own kernel for R rows, project_panel:
 // the very same numbers), the others count as -inf; a row with no finite allowed value is all -inf, and
-// torch.argmax gives 0. A grammar's mask usually allows a handful of tokens where the model's argmax is
-// refused (a closing quote, a comma), so this costs a few panels instead of the whole lm_head.
+// torch.argmax gives 0. The rows that allow tokens of one panel are projected together. A grammar's mask
+// usually allows a handful of tokens where the model's argmax is refused (a closing quote, a comma), so this
+// costs a few panels instead of the whole lm_head.
 void masked_argmax(const Linear& lm, const at::Tensor& h, const int32_t* allowed, int64_t words, int64_t* argmax);
 
 }  // namespace deltaserve
