@@ -339,7 +339,14 @@ FLAT_ADD = {"type": "function", **ADD["function"]}  # the Responses API's tools 
 
 
 def _collect(events: list) -> tuple[dict, list[str]]:
-    """The final response of a stream, and the event types in order."""
+    """The final response of a stream, and the event types in order. The client's parser types every event
+    (constructed, not validated): each must also validate as its openai type."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import BaseModel, TypeAdapter
+
+    adapter: TypeAdapter = TypeAdapter(ResponseStreamEvent)
+    for e in events:
+        assert isinstance(e, BaseModel) and type(adapter.validate_python(e.to_dict())) is type(e), e
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] in ("response.completed", "response.incomplete")
@@ -394,6 +401,44 @@ def test_responses_tools_and_previous_response(client: openai.OpenAI) -> None:
         client.responses.create(model="tiny", previous_response_id="resp_nope", input="x", max_output_tokens=2)
     with pytest.raises(openai.BadRequestError, match="function tools"):
         client.responses.create(model="tiny", input="x", tools=[{"type": "web_search"}], max_output_tokens=2)
+
+
+FLAT_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+def test_responses_streamed_call_events(client: openai.OpenAI) -> None:
+    """A named call streamed: its events come as OpenAI sends them (item added with empty arguments, in
+    progress; the argument deltas; arguments done; item done), the deltas joined are the non-streamed call's
+    arguments, and the client's stream helper accepts it all."""
+    from openai.types.responses import ResponseFunctionToolCall
+
+    kw = dict(model="tiny", input="Weather in Paris?", tools=[FLAT_WEATHER], temperature=0, max_output_tokens=200,
+              tool_choice={"type": "function", "name": "get_weather"}, reasoning={"effort": "none"})
+    whole = [o for o in client.responses.create(**kw).output]  # type: ignore[call-overload]
+    assert [o.type for o in whole] == ["function_call"] and whole[0].name == "get_weather"
+    events = list(client.responses.create(stream=True, **kw))  # type: ignore[call-overload]
+    final, kinds = _collect(events)
+    call = [k for k in kinds if "output_item" in k or "function_call" in k]
+    assert call[0] == "response.output_item.added" and call[-2:] == [
+        "response.function_call_arguments.done", "response.output_item.done"]
+    assert set(call[1:-2]) == {"response.function_call_arguments.delta"} and len(call) >= 6  # {, 2+ args, }
+    added = events[kinds.index("response.output_item.added")]
+    assert isinstance(added.item, ResponseFunctionToolCall) and added.item.status == "in_progress"
+    assert added.item.arguments == "" and added.item.name == "get_weather" and added.item.call_id
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert all(d.item_id == added.item.id and d.output_index == added.output_index for d in deltas)
+    streamed = "".join(d.delta for d in deltas)
+    done = events[kinds.index("response.output_item.done")]
+    assert streamed == whole[0].arguments == events[kinds.index("response.function_call_arguments.done")].arguments
+    assert done.item.arguments == streamed and done.item.status == "completed" and done.item.id == added.item.id
+    assert final.output[0].arguments == streamed and final.status == "completed"
+    jsonschema.validate(json.loads(streamed), WEATHER["function"]["parameters"])
+
+    # the client's stream helper (it checks item identities and builds each delta's snapshot)
+    with client.responses.stream(**kw) as stream:  # type: ignore[arg-type]
+        snapshots = [e.snapshot for e in stream if e.type == "response.function_call_arguments.delta"]
+        helped = stream.get_final_response()
+    assert snapshots[-1] == streamed and [o.arguments for o in helped.output] == [streamed]
 
 
 def test_responses_input_items_round_trip(client: openai.OpenAI) -> None:

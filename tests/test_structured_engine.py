@@ -86,6 +86,33 @@ def test_constraints_hold_and_batches_do_not_mix(llm) -> None:
     assert [o.outputs[0].token_ids for o in together] == [o.token_ids for o in alone]
 
 
+def test_greedy_rows_agree_across_sampling_paths(llm) -> None:
+    """A greedy constrained row gets the same tokens alone (only the rows whose grammar refuses their argmax
+    get the masked argmax, from the few lm_head panels with an allowed token) as beside a sampled request
+    (then every row's logits come out and the sampler masks them)."""
+    kinds = [so for so in _kinds() if so is not None]
+    greedy = [_params(so) for so in kinds]
+    refused = []
+    sampler = llm.engine.runner.sampler
+    fix = sampler.fix_grammar_argmax
+
+    def counted(tokens, states, masked_argmax_of):
+        fixed = fix(list(tokens), states, masked_argmax_of)
+        refused.append(sum(a != b for a, b in zip(tokens, fixed, strict=True)))
+        return fixed
+
+    sampler.fix_grammar_argmax = counted
+    try:
+        alone = [llm.generate([PROMPTS[i % 4]], p, use_tqdm=False)[0].outputs[0].token_ids
+                 for i, p in enumerate(greedy)]
+    finally:
+        del sampler.fix_grammar_argmax
+    assert sum(refused) > 10  # the masked argmax decided many tokens
+    sampled = SamplingParams(max_tokens=80, temperature=1.0, seed=7, ignore_eos=True)  # alive to the end
+    mixed = llm.generate([PROMPTS[i % 4] for i in range(len(kinds))] + ["Hello"], greedy + [sampled], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:-1]] == alone
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_sampled_outputs_validate(llm, seed: int) -> None:
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=80, temperature=1.0, seed=seed, n=2,

@@ -140,7 +140,7 @@ class LLMEngine:
             encoder_cache=self.encoder_cache,
         )
         sampler = Sampler(self.eos_token_ids)
-        head = LogitsHead(self.executor.compute_logits, self.executor.greedy_tokens)
+        head = LogitsHead(self.executor.compute_logits, self.executor.greedy_tokens, self.executor.masked_greedy_tokens)
         spec = None
         self.spec_metrics: SpecDecodeMetrics | None = None
         self._policy: DraftPolicy | None = None  # set with adaptive k, which the steps' costs feed

@@ -23,7 +23,7 @@ from deltaserve.engine.structured import (
     GrammarMatcher,
     apply_grammar_masks,
     compute_masks_ahead,
-    masked_argmax,
+    grammar_bitmask,
     refused_rows,
     row_masks,
 )
@@ -192,18 +192,19 @@ class Sampler:
 
     def fix_grammar_argmax(
         self, tokens: list[int], states: Sequence[SequenceSamplingState],
-        logits_of: Callable[[list[int]], torch.Tensor],
+        masked_argmax_of: Callable[[list[int], torch.Tensor], torch.Tensor],
     ) -> list[int]:
         """tokens: each row's raw argmax (grammar_greedy states). Rows whose grammar refuses their token get
-        the masked argmax, from logits_of(rows) -> [len(rows), V]; the others keep theirs."""
+        the argmax of their masked logits, masked_argmax_of(rows, bitmask int32 [len(rows), W]) (the
+        executor's masked_greedy_tokens); the others keep theirs."""
         rows = [i for i, s in enumerate(states) if s.grammar is not None]
         grammars = [states[i].grammar for i in rows]
         masks = row_masks(grammars, [states[i].output_token_ids for i in rows])
         grammar_eos = grammars[0].eos_token_id
         refused = refused_rows(masks, [tokens[i] for i in rows], grammar_eos, self.eos_token_ids)
         if refused:
-            fixed = masked_argmax(logits_of([rows[r] for r in refused]).float(), [masks[r] for r in refused],
-                                  grammar_eos, self.eos_token_ids)
+            bitmask = grammar_bitmask([masks[r] for r in refused], grammar_eos, self.eos_token_ids)
+            fixed = masked_argmax_of([rows[r] for r in refused], torch.from_numpy(bitmask)).tolist()
             for r, t in zip(refused, fixed, strict=True):
                 tokens[rows[r]] = t
         return tokens

@@ -16,12 +16,14 @@ rejects leaves the rows after it unmasked; they are never used, because the row 
 (greedy argmax cannot pick it, rejection sampling accepts it with probability 0).
 
 A greedy row whose raw argmax the grammar allows keeps it: masking cannot change an argmax it keeps. Only
-the rows whose grammar refuses their argmax get logits and a mask (Sampler.fix_grammar_argmax).
+the rows whose grammar refuses their argmax get the argmax of their masked logits (Sampler.fix_grammar_argmax,
+the executor's masked_greedy_tokens: the fused step projects only the lm_head panels that hold an allowed
+token, usually a handful where the model's own choice was refused).
 
 The runner hides the grammar's work behind the forward: while the model runs (without the GIL), a worker
 thread syncs every sampled row's matcher and computes its mask in one batched llguidance call
 (compute_masks_ahead; llguidance drops the GIL too). A matcher keeps that mask while its tokens do not
-change, so after the forward, checking an argmax is a bit lookup and masking a row is a copy."""
+change, so after the forward, checking an argmax is a bit lookup."""
 
 from __future__ import annotations
 
@@ -37,11 +39,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from deltaserve.ops.token_mask import mask_logits_
 from deltaserve.sampling import StructuredOutputsParams
 
 _CACHED_GRAMMARS = 64
-# _BYTE_BIAS[b, i]: 0.0 if bit i of byte b is set (the token is allowed), else -inf
-_BYTE_BIAS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, 0.0, -np.inf).astype(np.float32)
 # JSON without free whitespace: with flexible whitespace a model can pad forever, and OpenAI's own
 # structured outputs look like json.dumps (", " and ": ").
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -300,9 +301,9 @@ def refused_rows(masks: Sequence[np.ndarray | None], tokens: Sequence[int], gram
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher],
                         outputs: list[Sequence[int]], eos_token_ids: Sequence[int], greedy: list[bool]) -> None:
-    """Masks (to -inf) each listed row's tokens its grammar cannot take next, in place. A greedy row whose
-    argmax the grammar allows is left as it is (the masked row's argmax is that same token); so is an
-    unreachable row."""
+    """Masks (to -inf) each listed row's tokens its grammar cannot take next, in place
+    (deltaserve/ops/token_mask.py). A greedy row whose argmax the grammar allows is left as it is (the
+    masked row's argmax is that same token); so is an unreachable row."""
     masks = row_masks(matchers, outputs)
     grammar_eos = matchers[0].eos_token_id
     top = logits[rows].argmax(dim=-1).tolist()
@@ -310,31 +311,22 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list[Gr
     need = [r for r, mask in enumerate(masks) if mask is not None and (not greedy[r] or r in refused)]
     if not need:
         return
-    bias = _refusal_bias(np.stack([masks[r] for r in need]), logits.shape[1], grammar_eos, eos_token_ids)
+    bitmask = grammar_bitmask([masks[r] for r in need], grammar_eos, eos_token_ids)
     idx = [rows[r] for r in need]
     if idx == list(range(logits.shape[0])):
-        logits.add_(bias)
+        mask_logits_(logits, bitmask)
     else:
-        logits[idx] += bias
+        logits[idx] = mask_logits_(logits[idx], bitmask)
 
 
-def masked_argmax(logits: torch.Tensor, masks: Sequence[np.ndarray], grammar_eos: int,
-                  eos_token_ids: Sequence[int]) -> list[int]:
-    """Each row's argmax among the tokens its mask allows (greedy rows with nothing else to process, whose
-    raw argmax the grammar refused: the sampler's result for them, without its other stages)."""
-    bias = _refusal_bias(np.stack(masks), logits.shape[1], grammar_eos, eos_token_ids)
-    return (logits + bias).argmax(dim=-1).tolist()
-
-
-def _refusal_bias(bitmask: np.ndarray, vocab: int, grammar_eos: int, eos_token_ids: Sequence[int]) -> torch.Tensor:
-    """[rows, vocab] float32: 0 where the grammar allows the token, -inf where it refuses it. Each byte of
-    the bitmask (8 tokens, little-endian bits) looks up its 8 biases at once: no branch per token (masked_fill
-    with a mask this irregular measured 450 us for 6 x 8192)."""
-    rows = bitmask.shape[0]
-    bias = _BYTE_BIAS[bitmask.view(np.uint8)].reshape(rows, -1)[:, :vocab]
-    # Every id that ends the sequence is allowed exactly when the grammar may end (a checkpoint's EOS id
-    # can also be an ordinary token of the tokenizer: it must not end the output early).
-    eos = [t for t in eos_token_ids if 0 <= t < vocab]
-    if eos:
-        bias[:, eos] = bias[:, grammar_eos].copy()[:, None]
-    return torch.from_numpy(bias)
+def grammar_bitmask(masks: Sequence[np.ndarray], grammar_eos: int, eos_token_ids: Sequence[int]) -> np.ndarray:
+    """The rows' masks as one int32 bitmask [R, W] in which every id that ends the sequence is allowed exactly
+    when the grammar's end token is (a checkpoint's EOS id can also be an ordinary token of the tokenizer: it
+    must not end the output early, nor be refused where the grammar may end)."""
+    bits = np.stack(masks).view(np.uint32)  # a copy: the matchers' masks stay as they are
+    end = (bits[:, grammar_eos >> 5] >> np.uint32(grammar_eos & 31)) & np.uint32(1)
+    for t in eos_token_ids:
+        if 0 <= t < bits.shape[1] * 32 and t != grammar_eos:
+            bit = np.uint32(1 << (t & 31))
+            bits[:, t >> 5] = (bits[:, t >> 5] & ~bit) | (end << np.uint32(t & 31))
+    return bits.view(np.int32)

@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from deltaserve.model.context import ForwardContext
+from deltaserve.ops.token_mask import mask_logits_
 
 Rows = torch.Tensor | list[int] | None  # rows of a hidden-state tensor, or None for every row
 
@@ -29,6 +30,12 @@ class Executor(ABC):
     @abstractmethod
     def greedy_tokens(self, hidden: torch.Tensor, rows: Rows = None) -> torch.Tensor:
         """compute_logits(hidden, rows).argmax(-1), int64 [R]; an executor may do it without the logits."""
+
+    def masked_greedy_tokens(self, hidden: torch.Tensor, rows: Rows, allowed: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens under a grammar: the argmax of each chosen row's masked logits (compute_logits masked
+        by allowed, int32 [R, ceil(V / 32)]: deltaserve/ops/token_mask.py), int64 [R]; an executor may do it
+        without every logit."""
+        return mask_logits_(self.compute_logits(hidden, rows), allowed.numpy()).argmax(dim=-1)
 
     @abstractmethod
     def mtp_hidden(self, next_token_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, step: int = 0

@@ -2,7 +2,7 @@
 messages (instructions first, as a system message; function_call / function_call_output items as an
 assistant tool call and a tool message; reasoning items as the next assistant turn's reasoning), the chat
 template renders them, and the answer comes back as output items: reasoning, message (output_text) and
-function_call, whole or as the API's streaming events.
+function_call, whole or as the API's streaming events (responses_output.py builds both).
 
 previous_response_id continues a stored response: the server keeps the conversations of its last
 MAX_STORED_RESPONSES responses (store=true, the default) in memory, oldest dropped first, and nothing
@@ -32,10 +32,10 @@ from deltaserve.serve.chat_tools import ToolConfig
 from deltaserve.serve.errors import APIError
 from deltaserve.serve.params import RequestRules
 from deltaserve.serve.protocol import ChatCompletionRequest, check_cache_salt
-from deltaserve.serve.reasoning import StreamingReasoningParser
+from deltaserve.serve.responses_output import AnswerSplitter, OutputItems
 from deltaserve.serve.serving_chat import PreparedChat, prepare_chat
 from deltaserve.serve.streaming import ChoiceCursor, sse_error
-from deltaserve.serve.tool_parsers import StreamingToolParser, ToolCall, argument_fragments
+from deltaserve.serve.tool_parsers import ToolCall
 
 MAX_STORED_RESPONSES = 512
 _UNSUPPORTED = ("background", "conversation", "prompt", "include", "max_tool_calls")
@@ -226,21 +226,6 @@ def prepare_response(engine: AsyncEngine, body: ResponsesRequest, tool_config: T
 
 
 # ---- output ---------------------------------------------------------------------------------------------
-def _reasoning_item(text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
-
-
-def _message_item(text: str, item_id: str | None = None) -> dict[str, Any]:
-    return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": "completed",
-            "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
-
-
-def _call_item(call: ToolCall, item_id: str | None = None) -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id or f"fc_{uuid.uuid4().hex}", "call_id": call.id,
-            "name": call.name, "arguments": call.arguments_json, "status": "completed"}
-
-
 def _response(prep: PreparedResponse, model: str, output: list[dict[str, Any]], status: str,
               out: RequestOutput | None) -> dict[str, Any]:
     b = prep.body
@@ -257,7 +242,10 @@ def _response(prep: PreparedResponse, model: str, output: list[dict[str, Any]], 
         "reasoning": b.reasoning, "truncation": "disabled", "user": b.user,
         "usage": None if out is None else {
             "input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
-            "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0},
+            # cache_write_tokens: required by the openai package's ResponseUsage; the prefix cache's writes
+            # are not counted
+            "input_tokens_details": {"cached_tokens": out.num_cached_tokens, "cache_write_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
         },
     }
 
@@ -274,150 +262,48 @@ def _remember(prep: PreparedResponse, store: ResponseStore, reasoning: str, cont
     store.put(prep.response_id, [*prep.messages, turn])
 
 
-@dataclass(slots=True)
-class _Splitter:
-    """reasoning / content / calls of the one output, as it streams (the chat endpoint's parsers)."""
-
-    prep: PreparedResponse
-    reasoning_parser: StreamingReasoningParser = field(init=False)
-    tools: StreamingToolParser | None = field(init=False)
-    reasoning: str = ""
-    content: str = ""
-
-    def __post_init__(self) -> None:
-        plan = self.prep.chat.tools
-        self.reasoning_parser = StreamingReasoningParser(self.prep.chat.thinking)
-        self.tools = StreamingToolParser(plan.parser, plan.schemas, plan.parallel) if plan.parser else None
-
-    def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
-        """(reasoning delta, content delta, calls completed by this delta)."""
-        split = self.reasoning_parser.feed(text, final=final)
-        content, calls = split.content, []
-        if self.tools is not None:
-            before = len(self.tools.calls)
-            content = self.tools.feed(content, final=final).content
-            calls = self.tools.calls[before:]
-        self.reasoning += split.reasoning
-        self.content += content
-        return split.reasoning, content, calls
-
-    @property
-    def calls(self) -> list[ToolCall]:
-        return self.tools.calls if self.tools is not None else []
-
-
 def response_object(prep: PreparedResponse, out: RequestOutput, model: str, store: ResponseStore) -> dict[str, Any]:
-    s = _Splitter(prep)
-    s.feed(out.outputs[0].text, final=True)
-    output = []
-    if s.reasoning:
-        output.append(_reasoning_item(s.reasoning))
-    if s.content:
-        output.append(_message_item(s.content))
-    output += [_call_item(c) for c in s.calls]
+    s = AnswerSplitter(prep.chat.thinking, prep.chat.tools)
+    items = OutputItems(streaming=False)
+    items.feed(*s.feed(out.outputs[0].text, final=True))
+    items.close()
     _remember(prep, store, s.reasoning, s.content, s.calls)
     status = "incomplete" if out.outputs[0].finish_reason == "length" else "completed"
-    return _response(prep, model, output, status, out)
+    return _response(prep, model, items.output, status, out)
 
 
 async def response_stream(engine: AsyncEngine, prep: PreparedResponse, stream: RequestStream, model: str,
                           store: ResponseStore) -> AsyncIterator[str]:
     """The Responses API's server-sent events: created, in_progress, then per output item added /
-    deltas / done, then completed (with the whole response, equal to the non-streamed one)."""
-    seq = 0
-
-    def event(kind: str, **data: Any) -> str:
-        nonlocal seq
-        seq += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data})}\n\n"
-
-    s = _Splitter(prep)
+    deltas / done as the answer streams (a call's arguments one by one, as the tool parser completes
+    them), then completed (with the whole response, equal to the non-streamed one)."""
+    s = AnswerSplitter(prep.chat.thinking, prep.chat.tools)
+    items = OutputItems(streaming=True)
     cursor = ChoiceCursor(stop_holdback(prep.chat.params))
-    output: list[dict[str, Any]] = []
-    open_item: dict[str, Any] | None = None  # the reasoning or message item being streamed
-
-    def close() -> list[str]:
-        nonlocal open_item
-        if open_item is None:
-            return []
-        item, open_item = open_item, None
-        i = output.index(item)
-        if item["type"] == "reasoning":
-            text = item["content"][0]["text"]
-            return [event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
-                          text=text), event("response.output_item.done", output_index=i, item=item)]
-        part = item["content"][0]
-        item["status"] = "completed"
-        return [
-            event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
-                  text=part["text"], logprobs=[]),
-            event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0, part=part),
-            event("response.output_item.done", output_index=i, item=item),
-        ]
-
-    def text_delta(kind: str, delta: str) -> list[str]:
-        nonlocal open_item
-        events: list[str] = []
-        if open_item is None or open_item["type"] != kind:
-            events += close()
-            if kind == "reasoning":
-                open_item = {**_reasoning_item(""), "status": "in_progress"}
-                output.append(open_item)
-                events.append(event("response.output_item.added", output_index=len(output) - 1,
-                                    item={**open_item, "content": []}))
-            else:
-                open_item = {**_message_item(""), "status": "in_progress"}
-                output.append(open_item)
-                i = len(output) - 1
-                events.append(event("response.output_item.added", output_index=i, item={**open_item, "content": []}))
-                events.append(event("response.content_part.added", item_id=open_item["id"], output_index=i,
-                                    content_index=0, part=open_item["content"][0]))
-        i = output.index(open_item)
-        open_item["content"][0]["text"] += delta
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        events.append(event(name, item_id=open_item["id"], output_index=i, content_index=0, delta=delta, **extra))
-        return events
-
     try:
-        yield event("response.created", response=_response(prep, model, [], "in_progress", None))
-        yield event("response.in_progress", response=_response(prep, model, [], "in_progress", None))
+        items.event("response.created", response=_response(prep, model, [], "in_progress", None))
+        items.event("response.in_progress", response=_response(prep, model, [], "in_progress", None))
+        for e in items.take_events():
+            yield e
         last: RequestOutput | None = None
         async for out in stream:
             last = out
             d = cursor.advance(out.outputs[0])
             if d is None:
                 continue
-            reasoning, content, calls = s.feed(d.text, final=d.finish_reason is not None)
-            for kind, delta in (("reasoning", reasoning), ("message", content)):
-                if delta:
-                    for e in text_delta(kind, delta):
-                        yield e
-            for call in calls:
-                for e in close():
-                    yield e
-                item = {**_call_item(call), "arguments": "", "status": "in_progress"}
-                output.append(item)
-                i = len(output) - 1
-                yield event("response.output_item.added", output_index=i, item=dict(item))
-                for piece in argument_fragments(call.arguments):
-                    item["arguments"] += piece
-                    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
-                                delta=piece)
-                item["status"] = "completed"
-                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                            arguments=item["arguments"])
-                yield event("response.output_item.done", output_index=i, item=item)
-        for e in close():
-            yield e
+            items.feed(*s.feed(d.text, final=d.finish_reason is not None))
+            for e in items.take_events():
+                yield e
+        items.close()
         assert last is not None
         _remember(prep, store, s.reasoning, s.content, s.calls)
         status = "incomplete" if last.outputs[0].finish_reason == "length" else "completed"
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        yield event(kind, response=_response(prep, model, output, status, last))
+        items.event(kind, response=_response(prep, model, items.output, status, last))
+        for e in items.take_events():
+            yield e
     except Exception as e:  # headers are sent: report in-band
         yield sse_error(e)
     finally:
         if not stream.finished:
             engine.abort(prep.chat.request_id)
-

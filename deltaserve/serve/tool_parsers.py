@@ -242,8 +242,22 @@ def parser_for_template(template: str | None) -> str | None:
 
 @dataclass(slots=True)
 class ToolDelta:
+    """What one feed gave: content and chat-style call deltas, and both in the order they came (`pieces`:
+    a str is content, a dict a call delta, a ToolCall the end of that call), for an API whose items
+    interleave (the Responses API's message and function_call items)."""
+
     content: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # chunk deltas, in order
+    pieces: list[str | dict[str, Any] | ToolCall] = field(default_factory=list)
+
+    def add_content(self, text: str) -> None:
+        if text:
+            self.content += text
+            self.pieces.append(text)
+
+    def add_call_delta(self, delta: dict[str, Any]) -> None:
+        self.tool_calls.append(delta)
+        self.pieces.append(delta)
 
 
 @dataclass(slots=True)
@@ -273,12 +287,12 @@ class StreamingToolParser:
                         keep += _trailing_space(self._buf[: len(self._buf) - keep])
                     elif self.calls and not self._buf.strip():
                         self._buf = ""  # whitespace after the last call
-                    out.content += self._buf[: len(self._buf) - keep]
+                    out.add_content(self._buf[: len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep :]
                     break
                 text = self._buf[:start]
                 body = text.rstrip()
-                out.content += body
+                out.add_content(body)
                 self._space = text[len(body) :]  # dropped if a call follows, content if the block is text
                 self._buf = self._buf[start:]
                 continue
@@ -292,18 +306,18 @@ class StreamingToolParser:
                 break
             block_end = len(self._buf) if end == -1 else end + len(CALL_END)
             if self._open is not None:
-                if not scan.complete:  # what was sent stays a call; the block's unread rest is content
-                    out.content += self._buf[len(CALL_START) + scan.members_end : block_end]
                 self._close(out)
+                if not scan.complete:  # what was sent stays a call; the block's unread rest is content
+                    out.add_content(self._buf[len(CALL_START) + scan.members_end : block_end])
             else:
                 call = self.parser.parse_block(inner, self.schemas)
                 if call is None:
-                    out.content += self._space + self._buf[:block_end]  # malformed: it stays text
+                    out.add_content(self._space + self._buf[:block_end])  # malformed: it stays text
                 elif counts:
                     self._open = call
-                    out.tool_calls.append(self._header(call))
-                    out.tool_calls += [self._fragment("{")] + [self._fragment(_member_fragment(i, k, v))
-                                                              for i, (k, v) in enumerate(call.arguments.items())]
+                    out.add_call_delta(self._header(call))
+                    for fragment in argument_fragments(call.arguments)[:-1]:  # (the "}" is _close's)
+                        out.add_call_delta(self._fragment(fragment))
                     self._close(out)
             self._space = ""
             self._buf = self._buf[block_end:]
@@ -314,12 +328,13 @@ class StreamingToolParser:
         assert scan.name is not None
         if self._open is None:
             self._open = ToolCall(scan.name, {})
-            out.tool_calls += [self._header(self._open), self._fragment("{")]
+            out.add_call_delta(self._header(self._open))
+            out.add_call_delta(self._fragment("{"))
         args = self._open.arguments
         for i in range(len(args), len(scan.members)):
             key, value = scan.members[i]
             args[key] = value
-            out.tool_calls.append(self._fragment(_member_fragment(i, key, value)))
+            out.add_call_delta(self._fragment(_member_fragment(i, key, value)))
 
     def _header(self, call: ToolCall) -> dict[str, Any]:
         return {"index": len(self.calls), "id": call.id, "type": "function",
@@ -330,7 +345,8 @@ class StreamingToolParser:
 
     def _close(self, out: ToolDelta) -> None:
         assert self._open is not None
-        out.tool_calls.append(self._fragment("}"))
+        out.add_call_delta(self._fragment("}"))
+        out.pieces.append(self._open)
         self.calls.append(self._open)
         self._open = None
 

@@ -48,6 +48,11 @@ class FusedCPUExecutor(Executor):
             return self.compute_logits(hidden, rows).argmax(dim=-1)
         return self.trunk.greedy_tokens(hidden, rows)
 
+    def masked_greedy_tokens(self, hidden: torch.Tensor, rows: Rows, allowed: torch.Tensor) -> torch.Tensor:
+        if self.shard.size > 1:  # each rank holds only its slice of the vocabulary: the gathered logits
+            return super().masked_greedy_tokens(hidden, rows, allowed)
+        return self.trunk.masked_greedy_tokens(hidden, rows, allowed)
+
     def mtp_hidden(self, next_token_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext, step: int = 0
                    ) -> torch.Tensor:
         if self._mtp is None:

@@ -299,6 +299,14 @@ class FusedTrunk(_FusedStack):
             hidden = hidden[rows]
         return self._impl.greedy_tokens(hidden.float())
 
+    def masked_greedy_tokens(self, hidden: torch.Tensor, rows: torch.Tensor | list[int] | None,
+                             allowed: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax of its masked logits (deltaserve/ops/token_mask.py) in one C++ call that projects
+        only the lm_head panels holding an allowed token."""
+        if rows is not None:
+            hidden = hidden[rows]
+        return self._impl.masked_greedy_tokens(hidden.float(), allowed)
+
     def commit_verified(self, ctx: ForwardContext, accepted: list[int]) -> None:
         """Each verify segment's GDN slot takes the states after its last accepted position (row `accepted[r]`
         of ctx.spec_states), as SpecDecoder's commit does op by op."""

@@ -248,6 +248,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &FusedStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("logits", &FusedStack::logits, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("greedy_tokens", &FusedStack::greedy_tokens, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("masked_greedy_tokens", &FusedStack::masked_greedy_tokens,
+           pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("commit_verified", &FusedStack::commit_verified)
       .def("greedy_screen_on", &FusedStack::greedy_screen_on)
       .def("set_greedy_screen", &FusedStack::set_greedy_screen)

@@ -6,6 +6,7 @@
 #include <tuple>
 #include <utility>
 
+#include "masked_argmax.h"
 #include "norms.h"
 #include "parallel.h"
 #include "rope.h"
@@ -416,6 +417,19 @@ at::Tensor FusedStack::greedy_tokens(const at::Tensor& hidden) {
   } else {
     apply(lm_head_, h, op);
   }
+  return out;
+}
+
+at::Tensor FusedStack::masked_greedy_tokens(const at::Tensor& hidden, const at::Tensor& allowed) {
+  check_hidden(hidden);
+  const int64_t R = hidden.size(0), words = (lm_head_.N + 31) / 32;
+  TORCH_CHECK(allowed.scalar_type() == at::kInt && allowed.dim() == 2 && allowed.size(0) == R &&
+                  allowed.size(1) == words,
+              "masked_greedy_tokens: allowed must be int32 [", R, ", ", words, "] (a bitmask per row)");
+  const at::Tensor h = hidden.contiguous(), bits = allowed.contiguous();
+  at::Tensor out = at::empty({R}, h.options().dtype(at::kLong));
+  Timed timed(slot(kProjections));
+  masked_argmax(lm_head_, h, bits.data_ptr<int32_t>(), words, out.data_ptr<int64_t>());
   return out;
 }
 

@@ -110,6 +110,11 @@ class FusedStack {
   // (without writing them at all: the projection's argmax, or the greedy screen).
   at::Tensor greedy_tokens(const at::Tensor& hidden);
 
+  // The greedy token of each row under a grammar's bitmask (int32 [R, ceil(vocab / 32)], llguidance's
+  // layout): torch.argmax of the masked logits (deltaserve/ops/token_mask.py), projecting only the panels
+  // that hold an allowed token (masked_argmax.h).
+  at::Tensor masked_greedy_tokens(const at::Tensor& hidden, const at::Tensor& allowed);
+
   // After a verify step: verify segment r keeps in its GDN slot slots[r] the conv and recurrent states after
   // its position pick[r], the last accepted token. conv_states / ssm_states: per GDN layer, in layer order,
   // the per-position states [S, L, ...] that forward() returned (or the Python model left). One call and a

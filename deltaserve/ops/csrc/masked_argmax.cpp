@@ -1,0 +1,71 @@
+#include "masked_argmax.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "parallel.h"
+#include "simd.h"
+
+namespace deltaserve {
+
+void masked_argmax(const Linear& lm, const at::Tensor& h, const int32_t* allowed, int64_t words, int64_t* argmax) {
+  const int64_t R = h.size(0), K = lm.K, N = lm.N, P = (N + kPanel - 1) / kPanel;
+  const float* hp = h.data_ptr<float>();
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(allowed);
+  const bool packed = packed_rows(R);  // the kernel apply() runs for R rows: the same sums, row by row
+  std::vector<float> best_value(R * P, -INFINITY);  // [R, P]: each row's best masked value in each panel
+  std::vector<int64_t> best_column(R * P, 0);
+  // Panel by panel, as apply() goes: the rows that allow a token of the panel are gathered and projected
+  // together (each weight row read once for all of them).
+  at::parallel_for(0, P, grain_for(R * K * kPanel / 8), [&](int64_t p0, int64_t p1) {
+    std::vector<float> tile, x, out;
+    std::vector<int64_t> rows;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kPanel, ncols = std::min(kPanel, N - n0), w0 = n0 >> 5, w1 = (n0 + ncols - 1) >> 5;
+      rows.clear();
+      for (int64_t t = 0; t < R; ++t) {
+        bool any = false;  // kPanel = 64: the panel's tokens are two words of the row's mask
+        for (int64_t w = w0; w <= w1; ++w) any = any || bits[t * words + w] != 0;
+        if (any) rows.push_back(t);
+      }
+      for (size_t b0 = 0; b0 < rows.size(); b0 += kRowBlock) {  // as many rows as apply() takes at once
+        const int64_t n = std::min<int64_t>(kRowBlock, rows.size() - b0);
+        out.resize(n * kPanel);
+        const float* rows_x = hp + rows[b0] * K;
+        if (rows[b0 + n - 1] - rows[b0] != n - 1) {  // not consecutive rows of h: gather them
+          x.resize(n * K);
+          for (int64_t i = 0; i < n; ++i) std::memcpy(x.data() + i * K, hp + rows[b0 + i] * K, K * sizeof(float));
+          rows_x = x.data();
+        }
+        project_panel(lm, rows_x, n, n0, ncols, packed, tile, out.data(), kPanel);
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t t = rows[b0 + i];
+          float* v = out.data() + i * kPanel;
+          for (int64_t j0 = 0; j0 < ncols; j0 += 32) {  // a word of the mask at a time
+            const uint32_t word = bits[t * words + ((n0 + j0) >> 5)];
+            for (int64_t j = j0; j < std::min<int64_t>(j0 + 32, ncols); ++j) {
+              const bool ok = ((word >> (j - j0)) & 1u) != 0 && !std::isnan(v[j]);
+              v[j] = ok ? v[j] : -INFINITY;
+            }
+          }
+          const int64_t at = first_argmax(v, ncols);
+          best_value[t * P + p] = v[at];
+          best_column[t * P + p] = n0 + at;
+        }
+      }
+    }
+  });
+  for (int64_t t = 0; t < R; ++t) {
+    int64_t at = -1;  // the first panel with the largest value; none above -inf: torch.argmax gives 0
+    for (int64_t p = 0; p < P; ++p) {
+      if (best_value[t * P + p] > (at < 0 ? -INFINITY : best_value[t * P + at])) at = p;
+    }
+    argmax[t] = at < 0 ? 0 : best_column[t * P + at];
+  }
+}
+
+}  // namespace deltaserve
