@@ -246,6 +246,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "y = x @ cat(dequantize(part) for part in parts)^T as the stack projects; a part is (data, scale or None, "
         "format name, group)");
+  m.attr("DOT_ROWS") = kDotRows;  // up to this many rows, linear runs the dot-product kernel (else the packed one)
   m.def("linear_argmax", &linear_argmax_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "torch.argmax of linear(x, parts) per row, without keeping the outputs");
   m.def("rms_norm", &rms_norm_alone, "x [T, n] * rsqrt(mean(x^2) + eps) * scale (scale = 1 + RMSNorm.weight)");
