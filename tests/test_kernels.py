@@ -62,10 +62,11 @@ def assert_close_to(got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, 
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
-@pytest.mark.parametrize("rows", [1, 2, 5, 7, 12, 13, 100])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 12, 16, 21, 100])
 def test_projection_of_each_format_matches_dequantize_then_matmul(ext, fmt: WeightFormat, rows: int) -> None:
-    """The kernels read the stored bytes: 1..12 rows the dot-product kernel, 13 and 100 (a partial 6-row tile)
-    the packed one. Each equals formats.dequantize(...) @ x^T but for the order of its fp32 sums."""
+    """The kernels read the stored bytes: 1..20 rows the dot-product kernel (16: two groups of rows), 21 and
+    100 (a partial 6-row tile) the packed one. Each equals formats.dequantize(...) @ x^T but for the order of
+    its fp32 sums."""
     g = torch.Generator().manual_seed(rows)
     for n_out, k_in in SHAPES:
         parts = [spec(torch.randn(n_out, k_in, generator=g), fmt)]
@@ -75,8 +76,31 @@ def test_projection_of_each_format_matches_dequantize_then_matmul(ext, fmt: Weig
         assert_close_to(got, reference(x, parts, k_in), x, parts, k_in)
         # each row's sums do not depend on the other rows (the greedy screen recomputes panels row by row):
         # the same kernel on fewer rows gives the same numbers
-        fewer = 1 if rows <= 12 else 13
+        fewer = 1 if rows <= ext.DOT_ROWS else ext.DOT_ROWS + 1
         assert torch.equal(ext.linear(x[:fewer].contiguous(), parts), got[:fewer])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+def test_projection_at_every_row_count_gives_each_row_its_own_sums(ext, fmt: WeightFormat) -> None:
+    """1..24 rows: every row-block shape of the dot-product kernel (R rows x NO outputs, R x NO accumulators;
+    the equal row groups past its largest R) and the packed kernel past them. N = 75 leaves partial output
+    blocks of every width, K = 37 a partial 16-lane step (and, for the small groups, a partial last group).
+    Every row is the reference's and, bit for bit, what the same kernel gives for that row alone (the greedy
+    screen recomputes a panel for one row): a sum landing in another row's or output's accumulator fails."""
+    g = torch.Generator().manual_seed(20)
+    n_out, k_in, most = 75, 37, 24
+    parts = [spec(torch.randn(n_out, k_in, generator=g), fmt)]
+    x = torch.randn(most, k_in, generator=g)
+    expected = reference(x, parts, k_in)
+    alone = torch.cat([ext.linear(x[r:r + 1].contiguous(), parts) for r in range(most)])
+    dot_rows = ext.DOT_ROWS
+    for rows in range(1, most + 1):
+        got = ext.linear(x[:rows].contiguous(), parts)
+        assert_close_to(got, expected[:rows], x[:rows], parts, k_in)
+        if rows <= dot_rows:
+            assert torch.equal(got, alone[:rows]), rows
+        else:  # the packed kernel: its first rows as it computes them for fewer rows
+            assert torch.equal(got[:dot_rows + 1], ext.linear(x[:dot_rows + 1].contiguous(), parts)), rows
 
 
 @pytest.mark.parametrize("rows", [1, 7, 100])

@@ -13,6 +13,7 @@
 #include "fp8.h"
 #include "gdn.h"
 #include "linear.h"
+#include "linear_int.h"
 #include "moe.h"
 #include "norms.h"
 #include "stack.h"
@@ -264,6 +265,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "format name, group); activation_quantization 'int8': the int8 / int4 parts as activation_quant.py's "
         "reference",
         pybind11::arg("x"), pybind11::arg("parts"), pybind11::arg("activation_quantization") = "none");
+  m.attr("DOT_ROWS") = kDotRows;  // up to this many rows, linear runs the dot-product kernel (else the packed one)
+  // up to this many rows, int8-activation parts run the integer kernel (else the packed one over q_x * s_x)
+  m.attr("INT_KERNEL_ROWS") = kIntKernelRows;
   m.def("linear_argmax", &linear_argmax_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "torch.argmax of linear(x, parts) per row, without keeping the outputs",
         pybind11::arg("x"), pybind11::arg("parts"), pybind11::arg("activation_quantization") = "none");

@@ -85,20 +85,48 @@ const uint8_t* bytes_of(const WeightPart& p) { return static_cast<const uint8_t*
 const void* scales_of(const WeightPart& p) { return p.scale.defined() ? p.scale.data_ptr() : nullptr; }
 
 // ---- the dot-product kernel: R rows of x times NO consecutive weight rows of one part ----------------------
+// The loops over a block's rows and outputs unrolled completely, so that its R x NO accumulators stay in
+// registers (GCC kept some blocks' arrays in memory otherwise).
+#define DS_UNROLL _Pragma("GCC unroll 16")
+#if defined(__AVX512F__)
+// The sums of the 16-lane accumulators acc[0 .. n) (n <= 4) into y[0 .. n), by one shuffle tree for the 4 (a
+// third of 4 reductions' instructions). Each sum adds its own output's lanes in one fixed order, whatever the
+// other accumulators hold (absent ones are zero), so an output's sum does not depend on the block it is in.
+inline void store_sums4(const __m512* acc, int n, float* y) {
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 a0 = acc[0], a1 = n > 1 ? acc[1] : zero, a2 = n > 2 ? acc[2] : zero, a3 = n > 3 ? acc[3] : zero;
+  const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  // per 128-bit lane: the partial sums of the 4 outputs
+  const __m512 b = _mm512_add_ps(_mm512_shuffle_ps(a01, a23, 0x44), _mm512_shuffle_ps(a01, a23, 0xEE));
+  const __m512 c = _mm512_add_ps(b, _mm512_shuffle_f32x4(b, b, 0x4E));
+  const __m512 d = _mm512_add_ps(c, _mm512_shuffle_f32x4(c, c, 0xB1));
+  _mm_mask_storeu_ps(y, static_cast<__mmask8>((1u << n) - 1), _mm512_castps512_ps128(d));
+}
+#endif
+
+// y[r * ldy + j] = x[r] . w[row0 + j] for r < R, j < NO: the K loop outside, each 16 weights widened once and
+// multiplied into all R rows' accumulators (R x NO of them, lane i of one summing inputs i, i + 16, ... in
+// order), reduced at the end. An output's sum is the same for any R and NO (the greedy screen and argmax rely
+// on it: linear.h).
 template <Format F, int NO, int R>
 void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, float* y, int64_t ldy) {
   const uint8_t* data = bytes_of(p);
   const void* scales = scales_of(p);
 #if defined(__AVX512F__)
   __m512 acc[R][NO];
+  DS_UNROLL
   for (int r = 0; r < R; ++r) {
+    DS_UNROLL
     for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_setzero_ps();
   }
   const uint8_t* rows[NO];
+  DS_UNROLL
   for (int j = 0; j < NO; ++j) rows[j] = data + (row0 + j) * p.row_bytes;
   // the scales: one broadcast per group and output, counted along K (lane by lane for a group that is not a
   // multiple of 16)
   __m512 s[NO];
+  DS_UNROLL
   for (int j = 0; j < NO; ++j) s[j] = _mm512_setzero_ps();
   const bool per_lane = quantized(F) && p.group % 16 != 0;
   const int64_t steps = quantized(F) && !per_lane ? p.group / 16 : 0;
@@ -106,8 +134,10 @@ void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, flo
   auto next_scales = [&](int64_t k0) {
     if constexpr (quantized(F)) {
       if (per_lane) {
+        DS_UNROLL
         for (int j = 0; j < NO; ++j) s[j] = scales16(p, scales, row0 + j, k0);
       } else if (left-- == 0) {
+        DS_UNROLL
         for (int j = 0; j < NO; ++j) s[j] = group_scale(p, scales, row0 + j, g);
         ++g, left = steps - 1;
       }
@@ -124,14 +154,18 @@ void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, flo
   for (; k0 + 16 <= K; k0 += 16) {
     next_scales(k0);
     if (((k0 * kBytes16 / 16) & prefetch_mask) == 0 && prefetch_mask > 0) {
+      DS_UNROLL
       for (int j = 0; j < NO; ++j) {
         _mm_prefetch(reinterpret_cast<const char*>(rows[j] + k0 * kBytes16 / 16 + ahead), _MM_HINT_T1);
       }
     }
     __m512 w[NO];
+    DS_UNROLL
     for (int j = 0; j < NO; ++j) w[j] = widen16<F>(rows[j], k0, 0xFFFF, s[j]);
+    DS_UNROLL
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_loadu_ps(x + r * K + k0);
+      DS_UNROLL
       for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
     }
   }
@@ -139,28 +173,19 @@ void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, flo
     const __mmask16 valid = static_cast<__mmask16>((1u << (K - k0)) - 1);
     next_scales(k0);
     __m512 w[NO];
+    DS_UNROLL
     for (int j = 0; j < NO; ++j) w[j] = widen16<F>(rows[j], k0, valid, s[j]);
+    DS_UNROLL
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_maskz_loadu_ps(valid, x + r * K + k0);
+      DS_UNROLL
       for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
     }
   }
+  DS_UNROLL
   for (int r = 0; r < R; ++r) {
-    if constexpr (NO % 4 == 0) {  // 4 sums at once: a shuffle tree, a third of 4 reductions' instructions
-      for (int q = 0; q < NO; q += 4) {  // (8 outputs: the tree of each 4, the same sums as two blocks of 4)
-        const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][q], acc[r][q + 1]),
-                                         _mm512_unpackhi_ps(acc[r][q], acc[r][q + 1]));
-        const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][q + 2], acc[r][q + 3]),
-                                         _mm512_unpackhi_ps(acc[r][q + 2], acc[r][q + 3]));
-        // per 128-bit lane: the partial sums of outputs q .. q + 3
-        const __m512 b = _mm512_add_ps(_mm512_shuffle_ps(a01, a23, 0x44), _mm512_shuffle_ps(a01, a23, 0xEE));
-        const __m512 c = _mm512_add_ps(b, _mm512_shuffle_f32x4(b, b, 0x4E));
-        const __m512 d = _mm512_add_ps(c, _mm512_shuffle_f32x4(c, c, 0xB1));
-        _mm_storeu_ps(y + r * ldy + q, _mm512_castps512_ps128(d));
-      }
-    } else {
-      for (int j = 0; j < NO; ++j) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r][j]);
-    }
+    DS_UNROLL
+    for (int q = 0; q < NO; q += 4) store_sums4(acc[r] + q, std::min(4, NO - q), y + r * ldy + q);
   }
 #else
   float acc[R][NO][16] = {};
@@ -186,27 +211,41 @@ void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, flo
 #endif
 }
 
-// Outputs [n, n + count) of part p (local rows) for rows of x, 4 outputs and 4 rows at a time (one row: 8
-// outputs): the weights of 4 outputs (a few KB) stay in L1 while the row tiles pass, so each is read from
-// memory once. Each output's sum is the same whichever block it falls in.
+// Outputs per block of the dot-product kernel at R rows: R x NO accumulators, the NO widened weights (and
+// their scales, quantized formats) and one x vector within the 32 vector registers; at one row, 8 independent
+// FMA chains hide the FMA latency (4 did not).
+constexpr int block_outputs(Format F, int R) {
+  if (quantized(F)) return R <= 1 ? 8 : R <= 3 ? 6 : R <= 5 ? 4 : R <= 8 ? 3 : 2;
+  return R <= 2 ? 8 : R <= 3 ? 6 : R <= 4 ? 5 : R <= 6 ? 4 : R <= 8 ? 3 : 2;
+}
+
+// The most rows one pass of dot_block takes (R x 2 accumulators); more are split into equal groups, each a
+// pass over the part's outputs (which the first pass left in L2).
+constexpr int kBlockRows = 12;
+
+// Outputs [n, n + count) of part p (local rows) for R rows of x: blocks of block_outputs, then of 2 and 1.
+template <Format F, int R>
+void dot_rows(const WeightPart& p, int64_t row0, int64_t count, const float* x, int64_t K, float* y, int64_t ldy) {
+  constexpr int NO = block_outputs(F, R);
+  int64_t j = 0;
+  for (; j + NO <= count; j += NO) dot_block<F, NO, R>(p, row0 + j, x, K, y + j, ldy);
+  if constexpr (NO > 2) {
+    for (; j + 2 <= count; j += 2) dot_block<F, 2, R>(p, row0 + j, x, K, y + j, ldy);
+  }
+  for (; j < count; ++j) dot_block<F, 1, R>(p, row0 + j, x, K, y + j, ldy);
+}
+
+// Outputs [n, n + count) of part p (local rows) for T rows of x, in groups of up to kBlockRows rows: each
+// weight row is read from memory once and widened once per group. Each output's sum is the same whichever
+// block or group it falls in.
 template <Format F>
 void dot_part(const WeightPart& p, int64_t row0, int64_t count, const float* x, int64_t T, int64_t K, float* y,
               int64_t ldy) {
-  int64_t j = 0;
-  if (T == 1) {  // 8 outputs at a time: 8 independent sums hide the FMA latency (4 did not, at one row)
-    for (; j + 8 <= count; j += 8) dot_block<F, 8, 1>(p, row0 + j, x, K, y + j, ldy);
-  }
-  for (; j + 4 <= count; j += 4) {
-    for (int64_t t = 0; t < T; t += 4) {
-      with_rows<4>(std::min<int64_t>(4, T - t),
-                 [&](auto R) { dot_block<F, 4, decltype(R)::value>(p, row0 + j, x + t * K, K, y + t * ldy + j, ldy); });
-    }
-  }
-  for (; j < count; ++j) {
-    for (int64_t t = 0; t < T; t += 4) {
-      with_rows<4>(std::min<int64_t>(4, T - t),
-                 [&](auto R) { dot_block<F, 1, decltype(R)::value>(p, row0 + j, x + t * K, K, y + t * ldy + j, ldy); });
-    }
+  const int64_t groups = (T + kBlockRows - 1) / kBlockRows, per_group = (T + groups - 1) / groups;
+  for (int64_t t = 0; t < T; t += per_group) {
+    with_rows<kBlockRows>(std::min(per_group, T - t), [&](auto R) {
+      dot_rows<F, decltype(R)::value>(p, row0, count, x + t * K, K, y + t * ldy, ldy);
+    });
   }
 }
 

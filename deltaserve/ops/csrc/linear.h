@@ -31,12 +31,15 @@ Linear make_linear(std::vector<WeightPart> parts);
 // reduce over).
 constexpr int64_t kPanel = 64;
 
-// Up to this many rows of x, each weight row is streamed once and dotted with every row of x (4 outputs x 4
-// rows of 16-lane accumulators); from more rows on, a thread widens a tile of 64 outputs x kKBlock inputs
+// Up to this many rows of x, each weight row is streamed once and dotted with every row of x (R rows x a few
+// outputs of 16-lane accumulators, each 16 weights widened once for all R rows; linear.cpp dot_rows); from
+// more rows on, a thread widens a tile of 64 outputs x kKBlock inputs
 // into fp32 (256 KB: in L2) and runs the register-blocked outer-product kernel over rows of x, 6 at a time,
 // adding each K block's products to the outputs. (A 128-input tile, in L1, measured slower on one
 // shared-machine run: 0.50-0.68x of the old bf16 panels at 512 rows against 0.64-0.77x.)
-constexpr int64_t kDotRows = 12;
+// 20: with each weight widened once per group of up to 12 rows, the dot kernel beat the packed one at 13, 16
+// and 20 rows (1.1-4.4x, in_proj, gate_up, down_proj, 1 thread, a loaded machine) and not at 24 (0.84-0.98x).
+constexpr int64_t kDotRows = 20;
 constexpr int64_t kKBlock = 1024;
 constexpr int64_t kRowBlock = 128;  // rows of x (x K floats, 512 KB at K = 1024) kept in L2 while tiles pass
 
