@@ -282,6 +282,21 @@ const QuantizedRows& layout_for(const ActivationRows& a, const WeightPart& p) {
 
 }  // namespace
 
+// x~ = q_x * s_x of every row (values), each group's q_x and s_x those quantize_row gives.
+QuantizedRows dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t group) {
+  QuantizedRows q;
+  q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
+  q.values.resize(T * K);
+  std::vector<int8_t> row(K);
+  std::vector<float> scales(q.groups);
+  for (int64_t t = 0; t < T; ++t) {
+    quantize_row(x + t * K, K, group, row.data(), scales.data());
+    float* v = q.values.data() + t * K;
+    for (int64_t k = 0; k < K; ++k) v[k] = static_cast<float>(row[k]) * scales[k / group];
+  }
+  return q;
+}
+
 ActivationRows quantize_activations(const Linear& l, const float* x, int64_t T) {
   ActivationRows a;
   for (const WeightPart& p : l.parts) {
@@ -289,7 +304,9 @@ ActivationRows quantize_activations(const Linear& l, const float* x, int64_t T) 
     const bool have = std::any_of(a.layouts.begin(), a.layouts.end(), [&](const QuantizedRows& q) {
       return q.format == p.format && q.group == p.group;
     });
-    if (!have) a.layouts.push_back(quantize_for(x, T, l.K, p.format, p.group));
+    if (have) continue;
+    a.layouts.push_back(T > kIntKernelRows ? dequantized_for(x, T, l.K, p.format, p.group)
+                                           : quantize_for(x, T, l.K, p.format, p.group));
   }
   return a;
 }
@@ -305,6 +322,11 @@ void int_panel(const Linear& l, const ActivationRows& a, const float* x, int64_t
       project_panel(l, x + r0 * l.K, r1 - r0, n, count, packed, tile, y, ldo);
     } else {
       const QuantizedRows& q = layout_for(a, p);
+      if (!q.values.empty()) {  // a prompt chunk: the packed kernel over x~
+        project_panel(l, q.values.data() + r0 * l.K, r1 - r0, n, count, packed, tile, y, ldo);
+        n += count;
+        continue;
+      }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       if (q.lanes) {
         if (p.format == Format::kInt8) {
