@@ -193,6 +193,28 @@ def moe_vs_dense(results: dict[str, list[Result]]) -> list[str]:
     return out
 
 
+def report(args: argparse.Namespace, paths: dict[str, Path], ggufs: dict[str, dict[str, Path]], src: Path | None,
+           results: dict[str, list[Result]], bandwidth: dict[int, float], load_before: tuple[float, ...]) -> str:
+    """The docs section: how it ran, per checkpoint its bytes per weight, table and ratios to llama.cpp, then
+    MoE against dense."""
+    from report import machine
+
+    load = ", ".join(f"{x:.1f}" for x in load_before)
+    text = [SECTION, "", f"`benchmarks/bench_moe.py --layers {args.layers} --threads "
+            f"{','.join(map(str, args.threads))}{'' if args.transformers else ' --no-transformers'}`, "
+            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC: {machine()} at the end, {load} at the start.",
+            f"Decode at batch 1 ({args.decode} new tokens after 32), prefill of {args.prompt} tokens, "
+            f"{args.requests} requests batched (64 + 64 tokens each), each engine in its own process, interleaved. "
+            "Read bandwidth: " + ", ".join(f"{t} thread(s) {b / 1e9:.1f} GB/s" for t, b in bandwidth.items()) + "."]
+    for model, path in paths.items():
+        text += ["", f"### {model}: `{path.name}`", "", "Bytes per weight, the whole checkpoint: " + "; ".join(
+            bytes_per_weight(path, f, ggufs.get(model, {}).get(LLAMA_PEER[f]), src) for f in args.formats) + ".",
+            "", table(results[model], bandwidth), "", *ratios(results[model])]
+    if "dense" in results:
+        text += ["", "### MoE against dense (same active parameters)", "", *moe_vs_dense(results)]
+    return "\n".join(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
@@ -219,7 +241,7 @@ def main() -> None:
     if args.check and not args.llama_cpp:
         raise SystemExit("--check compares with llama.cpp: it cannot run with --no-llama-cpp")
     sys.path.insert(0, str(ROOT))
-    from report import machine, write_section
+    from report import write_section
 
     paths = checkpoints(args.layers, args.dense)
     src = llama_src(args.llama_cpp_src) if args.llama_cpp else None
@@ -230,6 +252,8 @@ def main() -> None:
                                workdir=WORKDIR) for model, path in paths.items()} if src else {}
     bandwidth = {t: read_bandwidth(t) for t in args.threads}
     load_before = os.getloadavg()
+    print("read bandwidth: " + ", ".join(f"{t} thread(s) {b / 1e9:.1f} GB/s" for t, b in bandwidth.items()) +
+          f"; load average {load_before[0]:.1f}", flush=True)
     results: dict[str, list[Result]] = {model: [] for model in paths}
     for model, job, python in plan(args, paths, ggufs):
         print(f"{model}:", end="", flush=True)
@@ -245,22 +269,10 @@ def main() -> None:
             print(f"    steady {res.steady_rss / 2**30:.2f} GiB, {res.bytes_per_token / 1e9:.3f} GB per decode token, "
                   f"load average {os.getloadavg()[0]:.1f}", flush=True)
 
-    load = ", ".join(f"{x:.1f}" for x in load_before)
-    text = [SECTION, "", f"`benchmarks/bench_moe.py --layers {args.layers} --threads "
-            f"{','.join(map(str, args.threads))}{'' if args.transformers else ' --no-transformers'}`, "
-            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC: {machine()} at the end, {load} at the start.",
-            f"Decode at batch 1 ({args.decode} new tokens after 32), prefill of {args.prompt} tokens, "
-            f"{args.requests} requests batched (64 + 64 tokens each), each engine in its own process, interleaved. "
-            "Read bandwidth: " + ", ".join(f"{t} thread(s) {b / 1e9:.1f} GB/s" for t, b in bandwidth.items()) + "."]
-    for model, path in paths.items():
-        text += ["", f"### {model}: `{path.name}`", "", "Bytes per weight, the whole checkpoint: " + "; ".join(
-            bytes_per_weight(path, f, ggufs.get(model, {}).get(LLAMA_PEER[f]), src) for f in args.formats) + ".",
-            "", table(results[model], bandwidth), "", *ratios(results[model])]
-    if "dense" in results:
-        text += ["", "### MoE against dense (same active parameters)", "", *moe_vs_dense(results)]
-    print("\n" + "\n".join(text))
+    text = report(args, paths, ggufs, src, results, bandwidth, load_before)
+    print("\n" + text)
     if args.write:
-        write_section(SECTION, "\n".join(text))
+        write_section(SECTION, text)
 
 
 if __name__ == "__main__":
