@@ -485,19 +485,25 @@ def ratios(results: list[Result]) -> list[str]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--formats", type=lambda s: s.split(","), default=list(FORMATS))
+def add_run_arguments(ap: argparse.ArgumentParser, requests: int) -> None:
+    """The options every engine-against-peers run takes (bench_formats, bench_moe): thread counts, workload
+    sizes, which peers, and where the llama.cpp peer lives."""
     ap.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=[1, 2])
     ap.add_argument("--decode", type=int, default=128, help="new tokens at batch 1")
     ap.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
-    ap.add_argument("--requests", type=int, default=16, help="batched requests (64 + 64 tokens each)")
+    ap.add_argument("--requests", type=int, default=requests, help="batched requests (64 + 64 tokens each)")
     ap.add_argument("--no-transformers", dest="transformers", action="store_false")
     ap.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
     ap.add_argument("--peer-python", default=str(PEERS / "venv" / "bin" / "python"),
                     help="the venv python with llama-cpp-python installed")
     ap.add_argument("--llama-cpp-src", default=None,
                     help="llama.cpp source (convert_hf_to_gguf.py, gguf-py); default: the sdist under peers/")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", type=lambda s: s.split(","), default=list(FORMATS))
+    add_run_arguments(ap, requests=16)
     ap.add_argument("--write", action="store_true", help="write the table to docs/benchmarks.md")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--quantize", nargs=3, help=argparse.SUPPRESS)

@@ -42,9 +42,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_formats import (  # noqa: E402
     CACHE,
     LLAMA_PEER,
-    PEERS,
     Job,
     Result,
+    add_run_arguments,
     deltaserve_bytes_per_token,
     gguf_bytes_per_token,
     gguf_files,
@@ -219,16 +219,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
     ap.add_argument("--formats", type=lambda s: s.split(","), default=list(FORMATS))
-    ap.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=[1, 2])
-    ap.add_argument("--decode", type=int, default=128, help="new tokens at batch 1")
-    ap.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
-    ap.add_argument("--requests", type=int, default=4, help="batched requests (64 + 64 tokens each)")
-    ap.add_argument("--no-transformers", dest="transformers", action="store_false")
-    ap.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
+    add_run_arguments(ap, requests=4)
     ap.add_argument("--no-dense", dest="dense", action="store_false")
     ap.add_argument("--check", action="store_true", help="only check that both engines run the same model")
-    ap.add_argument("--peer-python", default=str(PEERS / "venv" / "bin" / "python"))
-    ap.add_argument("--llama-cpp-src", default=None)
     ap.add_argument("--write", action="store_true", help="write the tables to docs/benchmarks.md")
     ap.add_argument("--llama-score", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
