@@ -64,8 +64,10 @@ BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1 + 4 / 128, "int8": 1 + 2 / 32, "int4":
 # The llama.cpp file at the same bytes per weight as each deltaserve format (fp8 has none).
 LLAMA_PEER = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_K_M"}
 LLAMA_FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
-# Kept at their stored dtype by every format (as Qwen's FP8 release does); they are small.
-UNQUANTIZED = ("norm", "conv1d", "A_log", "dt_bias", "in_proj_a", "in_proj_b")
+# Kept at their stored dtype by every format (as Qwen's FP8 release does); they are small. The MoE router
+# (mlp.gate) and shared-expert gate too (deltaserve/model/linear.py KEEP_UNQUANTIZED).
+UNQUANTIZED = ("norm", "conv1d", "A_log", "dt_bias", "in_proj_a", "in_proj_b", "mlp.gate.weight",
+               "shared_expert_gate")
 
 DECODE_PROMPT = 32
 BATCH_PROMPT = BATCH_NEW = 64
@@ -162,13 +164,14 @@ def run_deltaserve(job: Job) -> dict:
 
 def run_transformers(job: Job) -> dict:
     import torch
-    from transformers import AutoConfig, Qwen3_5ForCausalLM
+    from transformers import AutoConfig, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 
     torch.set_num_threads(job.threads)
     cfg = AutoConfig.from_pretrained(job.path)
     text = getattr(cfg, "text_config", cfg)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[job.weights]
-    model = Qwen3_5ForCausalLM.from_pretrained(job.path, config=text, dtype=dtype).eval()
+    cls = Qwen3_5MoeForCausalLM if text.model_type == "qwen3_5_moe_text" else Qwen3_5ForCausalLM
+    model = cls.from_pretrained(job.path, config=text, dtype=dtype).eval()
 
     def generate(ids: list[list[int]], new: int) -> float:
         x = torch.tensor(ids)
@@ -333,16 +336,16 @@ def llama_src(arg: str | None) -> Path:
 
 
 def gguf_files(ckpt: Path, src: Path, peer_python: str, kinds: list[str],
-               stem: str = "qwen3.5-0.8b-random") -> dict[str, Path]:
-    """The checkpoint as GGUF in each wanted type, converted / quantized once and kept in WORKDIR."""
-    WORKDIR.mkdir(parents=True, exist_ok=True)
-    files = {"BF16": WORKDIR / f"{stem}.BF16.gguf"}
+               stem: str = "qwen3.5-0.8b-random", workdir: Path = WORKDIR) -> dict[str, Path]:
+    """The checkpoint as GGUF in each wanted type, converted / quantized once and kept in workdir."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    files = {"BF16": workdir / f"{stem}.BF16.gguf"}
     if not files["BF16"].exists():
         source = ckpt
         if not (ckpt / "tokenizer.json").exists():
             # The converter needs a tokenizer, and the random checkpoint has none: the demo's, beside links
             # to the checkpoint's files (it pads the vocabulary to the config's 248320). The ids are the same.
-            source = WORKDIR / f"{stem}-with-tokenizer"
+            source = workdir / f"{stem}-with-tokenizer"
             source.mkdir(exist_ok=True)
             for name in ("config.json", "model.safetensors"):
                 if not (source / name).exists():
@@ -354,15 +357,16 @@ def gguf_files(ckpt: Path, src: Path, peer_python: str, kinds: list[str],
     for kind in kinds:
         if kind == "BF16":
             continue
-        files[kind] = WORKDIR / f"{stem}.{kind}.gguf"
+        files[kind] = workdir / f"{stem}.{kind}.gguf"
         if not files[kind].exists():
             subprocess.run([peer_python, __file__, "--quantize", str(files["BF16"]), str(files[kind]), kind],
                            check=True)
     return {k: v for k, v in files.items() if k in kinds}
 
 
-def deltaserve_bytes_per_token(ckpt: Path, fmt: str) -> float:
-    """Bytes a decode step reads at `fmt`, from the checkpoint's tensor names and shapes."""
+def deltaserve_bytes_per_token(ckpt: Path, fmt: str, expert_share: float = 1.0) -> float:
+    """Bytes a decode step reads at `fmt`, from the checkpoint's tensor names and shapes; of the routed
+    experts' tensors only `expert_share` (top_k / num_experts: the experts one token chooses)."""
     from safetensors import safe_open
 
     total = 0.0
@@ -374,15 +378,18 @@ def deltaserve_bytes_per_token(ckpt: Path, fmt: str) -> float:
             for d in f.get_slice(name).get_shape():
                 n *= d
             kept = len(f.get_slice(name).get_shape()) < 2 or any(k in name for k in UNQUANTIZED)
-            total += n * (2.0 if kept else BYTES_PER_WEIGHT[fmt])
+            share = expert_share if ".mlp.experts." in name else 1.0
+            total += n * share * (2.0 if kept else BYTES_PER_WEIGHT[fmt])
     return total
 
 
-def gguf_bytes_per_token(path: Path, src: Path) -> float:
+def gguf_bytes_per_token(path: Path, src: Path, expert_share: float = 1.0) -> float:
+    """As deltaserve_bytes_per_token, from the GGUF's own tensor sizes (routed experts: ffn_*_exps)."""
     sys.path.insert(0, str(src / "gguf-py"))
     from gguf import GGUFReader
 
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    tensors = {t.name: int(t.n_bytes) * (expert_share if "_exps." in t.name else 1.0)
+               for t in GGUFReader(str(path)).tensors}
     if "output.weight" in tensors:  # untied: the lm_head is read, the embedding only looked up
         tensors.pop("token_embd.weight", None)
     return float(sum(tensors.values()))
@@ -478,19 +485,25 @@ def ratios(results: list[Result]) -> list[str]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--formats", type=lambda s: s.split(","), default=list(FORMATS))
+def add_run_arguments(ap: argparse.ArgumentParser, requests: int) -> None:
+    """The options every engine-against-peers run takes (bench_formats, bench_moe): thread counts, workload
+    sizes, which peers, and where the llama.cpp peer lives."""
     ap.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=[1, 2])
     ap.add_argument("--decode", type=int, default=128, help="new tokens at batch 1")
     ap.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
-    ap.add_argument("--requests", type=int, default=16, help="batched requests (64 + 64 tokens each)")
+    ap.add_argument("--requests", type=int, default=requests, help="batched requests (64 + 64 tokens each)")
     ap.add_argument("--no-transformers", dest="transformers", action="store_false")
     ap.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
     ap.add_argument("--peer-python", default=str(PEERS / "venv" / "bin" / "python"),
                     help="the venv python with llama-cpp-python installed")
     ap.add_argument("--llama-cpp-src", default=None,
                     help="llama.cpp source (convert_hf_to_gguf.py, gguf-py); default: the sdist under peers/")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", type=lambda s: s.split(","), default=list(FORMATS))
+    add_run_arguments(ap, requests=16)
     ap.add_argument("--write", action="store_true", help="write the table to docs/benchmarks.md")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--quantize", nargs=3, help=argparse.SUPPRESS)

@@ -18,6 +18,7 @@ import math
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -26,14 +27,15 @@ from bench_formats import DEMO_TOKENIZER_DIR as DEMO_DIR  # noqa: E402
 from bench_formats import FORMATS, PEERS, gguf_files, llama_src  # noqa: E402
 
 
-def llama_worker(gguf: str, windows_file: str) -> None:
-    """Run in the peer's venv: summed NLL of every window's tokens after its first, one JSON line."""
+def llama_logits(gguf: str, pieces: list[list[int]]) -> Iterator:
+    """Run in the peer's venv: each piece's logits at every position, a numpy [len, vocab] float32 view of
+    llama.cpp's own buffer (valid until the next piece: no copy of a window's 248k-wide rows), every piece
+    alone from an empty context, through llama.cpp's C API."""
     import ctypes
 
     import llama_cpp as C
     import numpy as np
 
-    pieces = json.loads(Path(windows_file).read_text())
     C.llama_backend_init()
     model = C.llama_model_load_from_file(gguf.encode(), C.llama_model_default_params())
     n_vocab = C.llama_vocab_n_tokens(C.llama_model_get_vocab(model))
@@ -42,7 +44,6 @@ def llama_worker(gguf: str, windows_file: str) -> None:
     cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = longest
     ctx = C.llama_init_from_model(model, cparams)
     batch = C.llama_batch_init(longest, 0, 1)
-    nll = 0.0
     for ids in pieces:
         C.llama_memory_clear(C.llama_get_memory(ctx), True)
         batch.n_tokens = len(ids)
@@ -51,11 +52,21 @@ def llama_worker(gguf: str, windows_file: str) -> None:
             batch.seq_id[i][0] = 0
         if C.llama_decode(ctx, batch) != 0:
             raise RuntimeError("llama_decode failed")
+        rows = ctypes.cast(C.llama_get_logits(ctx), ctypes.POINTER(ctypes.c_float * (n_vocab * len(ids)))).contents
+        yield np.frombuffer(rows, dtype=np.float32).reshape(len(ids), n_vocab)
+
+
+def llama_worker(gguf: str, windows_file: str) -> None:
+    """Run in the peer's venv: summed NLL of every window's tokens after its first, one JSON line."""
+    import numpy as np
+
+    pieces = json.loads(Path(windows_file).read_text())
+    nll = 0.0
+    for ids, logits in zip(pieces, llama_logits(gguf, pieces), strict=True):
         for i in range(len(ids) - 1):
-            row = ctypes.cast(C.llama_get_logits_ith(ctx, i), ctypes.POINTER(ctypes.c_float * n_vocab)).contents
-            logits = np.frombuffer(row, dtype=np.float32).astype(np.float64)
-            top = logits.max()
-            nll += top + math.log(np.exp(logits - top).sum()) - logits[ids[i + 1]]
+            row = logits[i].astype(np.float64)
+            top = row.max()
+            nll += top + math.log(np.exp(row - top).sum()) - row[ids[i + 1]]
     print("RESULT " + json.dumps(dict(nll=nll, tokens=sum(len(p) - 1 for p in pieces))), flush=True)
 
 

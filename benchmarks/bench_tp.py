@@ -31,23 +31,30 @@ SHAPE = dict(
 )
 
 
-def write_checkpoint(path: Path, layers: int) -> None:
-    """Random bf16 tensors of every parameter, in the official layout, without building the model."""
+def write_checkpoint(path: Path, layers: int, shape: dict = SHAPE, experts: dict | None = None) -> None:
+    """Random bf16 tensors of every parameter, in the official layout, without building the model. With
+    `experts` (num_experts, num_experts_per_tok, moe_intermediate_size, shared_expert_intermediate_size) a
+    Qwen3.5-MoE checkpoint: the experts fused into 3-D tensors as in the bf16 releases, and the router 8x
+    larger than the rest, so routing is decisive (engines that differ by rounding pick the same experts)."""
     import torch
     from safetensors.torch import save_file
 
     from deltaserve.config import ModelConfig
     from deltaserve.model.decoder import Qwen3_5ForCausalLM
-    from tests.checkpoints import hf_config
+    from tests.checkpoints import hf_config, hf_moe_config
 
     if (path / "config.json").exists():
         return
     path.mkdir(parents=True, exist_ok=True)
-    text = hf_config(dict(SHAPE, num_hidden_layers=layers), tie=True).to_dict()
-    text["model_type"] = "qwen3_5_text"
+    shape = dict(shape, num_hidden_layers=layers)
+    if experts:
+        text = hf_moe_config("qwen3_5_moe", shape, **experts, tie_word_embeddings=True).to_dict()
+        text["model_type"], model_type, arch = "qwen3_5_moe_text", "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"
+    else:
+        text = hf_config(shape, tie=True).to_dict()
+        text["model_type"], model_type, arch = "qwen3_5_text", "qwen3_5", "Qwen3_5ForConditionalGeneration"
     text["torch_dtype"] = "bfloat16"
-    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
-              "text_config": text, "tie_word_embeddings": True}
+    config = {"model_type": model_type, "architectures": [arch], "text_config": text, "tie_word_embeddings": True}
     (path / "config.json").write_text(json.dumps(config, indent=1))
     with torch.device("meta"):
         meta = Qwen3_5ForCausalLM(ModelConfig.from_file(path))
@@ -61,7 +68,7 @@ def write_checkpoint(path: Path, layers: int) -> None:
         elif "norm" in name or name.endswith("dt_bias"):
             t = torch.zeros(p.shape)
         else:
-            t = torch.randn(p.shape, generator=g) * 0.02
+            t = torch.randn(p.shape, generator=g) * (0.16 if name.endswith("mlp.gate.weight") else 0.02)
         tensors["model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name] = (
             t.bfloat16()
         )
