@@ -12,6 +12,7 @@ from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.model.linear import StoredWeights
 from deltaserve.model.loader import load_model
 from tests.test_tensor_parallel import greedy  # three prompts, the longest chunked
+from tests.test_weight_storage import _bf16_checkpoint
 
 OPTIONS = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=16)  # prompts run in chunks
 
@@ -52,3 +53,15 @@ def test_int8_activations_give_the_torch_executors_greedy_tokens(quantization, k
                                    **OPTIONS))
     assert eager.executor.name != "fused-cpu"
     assert greedy(fused) == greedy(eager)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_tied_head_with_int8_activations_runs_fused(tmp_path, quantization):
+    """A tied checkpoint (the 0.8B's layout): the embedding is the int8 / int4 head's weight, a lookup that
+    reads no activations; the fused step once refused it as a second activation_quantization setting."""
+    path = _bf16_checkpoint(tmp_path, tie=True)
+    options = dict(model=str(path), quantization=quantization, **OPTIONS)
+    fused = LLMEngine(EngineConfig(**options))
+    assert fused.executor.name == "fused-cpu" and fused.config.activation_quantization == "int8"
+    assert greedy(fused) == greedy(LLMEngine(EngineConfig(enforce_eager=True, **options)))
+

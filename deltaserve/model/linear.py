@@ -40,8 +40,9 @@ class StoredWeights(nn.Module):
 
     WEIGHTS: tuple[str, ...] = ("weight",)
     _quantized: WeightFormat | None = None
-    # "int8": an int8 / int4 module quantizes its input rows first (deltaserve/ops/activation_quant.py)
-    activation_quantization: str = "none"
+    # "int8": an int8 / int4 module quantizes its input rows first (deltaserve/ops/activation_quant.py);
+    # None: a module that reads no activations (the embedding, a lookup)
+    activation_quantization: str | None = "none"
 
     @property
     def fmt(self) -> WeightFormat:
@@ -121,6 +122,8 @@ class Embedding(StoredWeights):
         self.weight = nn.Parameter(torch.randn(num_embeddings, dim))  # nn.Embedding's initialisation
         self.register_parameter("weight_scale", None)
         self.out_dtype: torch.dtype | None = None  # None: the data's own dtype
+        # a lookup reads no activations: a tied embedding takes the head's weight, never its input setting
+        self.activation_quantization = None
 
     def logical_shape(self, name: str = "weight") -> tuple[int, int]:
         return self.num_embeddings, self.dim
