@@ -483,3 +483,11 @@ def test_responses_with_no_input_is_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="tiny", input=[], max_output_tokens=4)
     assert e.value.body["param"] == "input" and "at least 1 item" in e.value.body["message"]
+
+
+def test_responses_top_logprobs_is_refused_by_name(client: openai.OpenAI) -> None:
+    """OpenAI's top_logprobs would otherwise be silently ignored: the output items carry no logprobs."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="x", max_output_tokens=2, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs" and "chat/completions" in e.value.body["message"]
+

@@ -10,7 +10,7 @@ across restarts; an id it no longer has is a 400 saying so. As OpenAI does, a ne
 replace the stored ones.
 
 What is not supported is refused with a 400 naming it: built-in tools (web search, files, ...),
-background, conversation, prompt templates, include. reasoning.effort "none" turns thinking off, any
+background, conversation, prompt templates, include, top_logprobs. reasoning.effort "none" turns thinking off, any
 other effort leaves it on (the template has no effort levels)."""
 
 from __future__ import annotations
@@ -198,6 +198,9 @@ def prepare_response(engine: AsyncEngine, body: ResponsesRequest, tool_config: T
     for name in _UNSUPPORTED:
         if extra.get(name) is not None:
             raise APIError(400, f"{name} is not supported by this server", param=name)
+    if extra.get("top_logprobs"):  # OpenAI's field; 0 (or null) asks for nothing
+        raise APIError(400, "top_logprobs is not supported on /v1/responses by this server; use "
+                       "/v1/chat/completions with logprobs and top_logprobs", param="top_logprobs")
     if body.truncation not in (None, "disabled"):
         raise APIError(400, "truncation must be 'disabled' (the server does not drop input)", param="truncation")
     messages = store.get(body.previous_response_id) if body.previous_response_id else []
