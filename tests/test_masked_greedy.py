@@ -60,7 +60,8 @@ def masks_and_rows(hidden: torch.Tensor, g: torch.Generator) -> tuple[torch.Tens
 
 def _heads(hidden_size: int, g: torch.Generator) -> list[tuple[str, torch.Tensor]]:
     head, _ = near_tie_head(hidden_size, g)
-    return [("bfloat16", head), ("float32", head), ("int8", head)]
+    # "+int8": the int8 head reads int8 activations (its default), which compute_logits quantizes per call
+    return [("bfloat16", head), ("float32", head), ("int8", head), ("int8+int8", head)]
 
 
 def _set_head(model, fmt: str, head: torch.Tensor) -> None:
@@ -81,7 +82,9 @@ def _set_head(model, fmt: str, head: torch.Tensor) -> None:
 def test_masked_greedy_tokens_equal_the_masked_logits_argmax(model) -> None:
     g = torch.Generator().manual_seed(5)
     for fmt, head in _heads(model.config.hidden_size, g):
+        fmt, _, activations = fmt.partition("+")
         _set_head(model, fmt, head)
+        model.lm_head.activation_quantization = activations or "none"
         fused = FusedTrunk(model, allocate_cache(model.config, num_blocks=4, block_size=16, num_slots=1))
         u = head[TIED[0]] / head[TIED[0]].norm()
         hidden = 4 * u + 1e-3 * torch.randn(120, u.numel(), generator=g)
@@ -98,7 +101,29 @@ def test_masked_greedy_tokens_equal_the_masked_logits_argmax(model) -> None:
                 # the executors' plain implementation: the logits, masked
                 plain = Executor.masked_greedy_tokens(_Logits(fused), hidden, rows, bitmask[rows].contiguous())
                 assert torch.equal(plain, expected), (fmt, rows)
+        if activations:
+            assert_int8_activation_order(model, fused, g)
     store(model.lm_head, WeightFormat("float32"))
+    model.lm_head.activation_quantization = "none"
+
+
+def assert_int8_activation_order(model, fused: FusedTrunk, g: torch.Generator) -> None:
+    """Rows allowing two tokens whose order int8 activations reverse: the masked greedy token is the one
+    compute_logits ranks first, not the float rows' (the masked pass once projected unquantized rows)."""
+    x = torch.randn(64, model.config.hidden_size, generator=g)
+    with torch.inference_mode():
+        quantized = fused.logits(x, None)
+        unquantized = x @ model.lm_head.weight_values().T
+    rows, pairs = [], []
+    for r in range(x.shape[0]):
+        order = quantized[r].argsort(descending=True).tolist()
+        flipped = [(a, b) for a, b in zip(order, order[1:]) if unquantized[r, a] < unquantized[r, b]]
+        if flipped:
+            rows.append(r)
+            pairs.append(flipped[0])
+    assert rows, "no row whose order int8 activations change"
+    got = fused.masked_greedy_tokens(x, rows, bitmask_of([list(p) for p in pairs]).contiguous())
+    assert got.tolist() == [a for a, _ in pairs]
 
 
 class _Logits:
