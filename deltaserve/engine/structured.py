@@ -306,8 +306,9 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list[Gr
     masked row's argmax is that same token); so is an unreachable row."""
     masks = row_masks(matchers, outputs)
     grammar_eos = matchers[0].eos_token_id
-    top = logits[rows].argmax(dim=-1).tolist()
-    refused = set(refused_rows(masks, top, grammar_eos, eos_token_ids))
+    checked = [r for r, mask in enumerate(masks) if greedy[r] and mask is not None]  # sampled rows take the mask
+    top = logits[[rows[r] for r in checked]].argmax(dim=-1).tolist() if checked else []
+    refused = {checked[i] for i in refused_rows([masks[r] for r in checked], top, grammar_eos, eos_token_ids)}
     need = [r for r, mask in enumerate(masks) if mask is not None and (not greedy[r] or r in refused)]
     if not need:
         return
