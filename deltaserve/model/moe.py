@@ -57,14 +57,13 @@ class Experts(StoredWeights):
         counts = torch.bincount(flat, minlength=self.num_experts)
         touched = counts.nonzero().flatten()  # only these experts' weights are read
         tokens = order // k
-        xs = x[tokens]
+        xs = self.activations(x)[tokens]  # per row: each token quantized once, not once per choice
         ws = weights.reshape(-1)[order, None]
         ys = torch.empty_like(xs)
         start = 0
         for e, n in zip(touched.tolist(), counts[touched].tolist(), strict=True):
             rows = slice(start, start + n)
-            gate, up = F.linear(self.activations(xs[rows]), self.expert_weight("gate_up_proj", e, x.dtype)).chunk(
-                2, dim=-1)
+            gate, up = F.linear(xs[rows], self.expert_weight("gate_up_proj", e, x.dtype)).chunk(2, dim=-1)
             act = self.activations(F.silu(gate) * up)
             ys[rows] = F.linear(act, self.expert_weight("down_proj", e, x.dtype)) * ws[rows]
             start += n
