@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.cache.dtypes import engine_kv_cache_dtype
+from deltaserve.cache.sizing import DEFAULT_CACHE_MEMORY_FRACTION
 from deltaserve.config import UnsupportedFeatureError
 from deltaserve.ops.activation_quant import resolve_activation_quantization
 from deltaserve.ops.formats import QUANTIZATIONS, WeightFormat
@@ -38,7 +39,7 @@ class EngineConfig:
     # Bytes for KV blocks + GDN state slots; capped by what max_num_seqs sequences of max_model_len need.
     # None: cache_memory_fraction of the memory available once the weights are loaded (cache/sizing.py).
     kv_cache_memory: int | None = None
-    cache_memory_fraction: float = 0.5
+    cache_memory_fraction: float = DEFAULT_CACHE_MEMORY_FRACTION
     num_kv_blocks: int | None = None  # force the block count (tests of cache pressure); overrides memory
     # Reuse cached prefixes (KV blocks + GDN snapshots). None (the default): on, unless the snapshot pool
     # does not fit in kv_cache_memory (then off, with a warning); True: on, and that is an error.

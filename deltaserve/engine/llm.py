@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaserve.assets import demo_checkpoint_path
+from deltaserve.cache.sizing import DEFAULT_CACHE_MEMORY_FRACTION
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.generation_config import generation_defaults
 from deltaserve.engine.llm_engine import LLMEngine
@@ -40,7 +41,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         kv_cache_dtype: str = "auto",
         kv_cache_memory: int | None = None,
-        cache_memory_fraction: float = 0.5,
+        cache_memory_fraction: float = DEFAULT_CACHE_MEMORY_FRACTION,
         seed: int = 0,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
