@@ -189,6 +189,8 @@ def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
     add(f"  {'part':<{w}}  {'count':>5}  {'params (model)':>14}  {'bytes each':>12}  {'bytes total':>12}")
     for p in plan.weight_parts:
         note = "" if p.included else "  (not loaded)"
+        if p.included and p.name == "vision tower" and plan.tp > 1:
+            note = "  (rank 0 only: the total is rank 0's)"
         add(f"  {p.name:<{w}}  {p.count:>5}  {format_params(p.total_params):>14}  "
             f"{format_bytes(p.bytes_per_rank):>12}  {format_bytes(p.total_bytes_per_rank):>12}{note}")
     add(f"  {'total loaded':<{w}}  {'':>5}  {'':>14}  {'':>12}  {format_bytes(plan.weight_bytes):>12}")
@@ -220,13 +222,11 @@ def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
             f"({plan.num_gdn_snapshots} snapshots of one slot each)")
     if plan.encoder_cache_tokens:
         add("")
-        add("Vision encoder cache (the tower's outputs kept through prefill)")
+        where = "; rank 0 holds it and the whole tower, which it alone runs" if plan.tp > 1 else ""
+        add(f"Vision encoder cache (the tower's outputs kept through prefill{where})")
         row(f"{plan.encoder_cache_tokens:,} merged tokens", plan.encoder_cache_bytes,
             f"(max of max-num-batched-tokens {plan.max_num_batched_tokens:,} and the largest picture's "
             f"{plan.encoder_tokens_per_image:,} tokens, x {plan.encoder_cache_bytes // plan.encoder_cache_tokens:,} B)")
-    elif plan.tp > 1 and any(p.name == "vision tower" and p.included for p in plan.weight_parts):
-        add("")
-        add("Vision encoder cache: none (images are refused under tensor parallelism)")
     add("")
     add(f"Total per rank            {format_bytes(plan.total_bytes):>12}   "
         f"(weights {format_bytes(plan.weight_bytes)}, cache {format_bytes(plan.cache_bytes)}; "

@@ -91,8 +91,11 @@ def test_27b_tp4_per_rank(cfg27: ModelConfig) -> None:
     assert four.gdn_recurrent_bytes_per_layer == 3 * MiB // 4
     assert four.gdn_conv_bytes_per_layer == one.gdn_conv_bytes_per_layer // 4
     assert four.kv_cache_bytes == one.kv_cache_bytes // 4
-    # weights: almost everything splits; only norms (and small vision pieces) are replicated
-    assert one.weight_bytes / 4 < four.weight_bytes < one.weight_bytes / 4 * 1.01
+    # weights: almost all of the text model splits (only its norms are replicated); rank 0, which the plan
+    # sizes, holds the whole bf16 vision tower besides
+    tower = 2 * four.vision_params
+    text_one, text_four = one.weight_bytes - tower, four.weight_bytes - tower
+    assert text_one / 4 < text_four < text_one / 4 * 1.01
 
 
 def test_tp_beyond_kv_heads_replicates(cfg27: ModelConfig) -> None:
@@ -120,10 +123,13 @@ def test_27b_fp8_weights() -> None:
 
 def test_plan_totals_and_format(cfg27: ModelConfig) -> None:
     plan = plan_memory(cfg27, 8192, 16, "fp8", tp=4, with_mtp=True, model_name="qwen3.5-27b")
-    assert plan.total_bytes == plan.weight_bytes + plan.kv_cache_bytes + plan.gdn_state_bytes
+    # rank 0 holds the vision encoder cache beside the tower, and the plan sizes rank 0
+    assert plan.encoder_cache_bytes > 0
+    assert plan.total_bytes == plan.weight_bytes + plan.kv_cache_bytes + plan.gdn_state_bytes + plan.encoder_cache_bytes
     assert plan.num_kv_blocks == 16 * 8192 // 16
     text = format_plan(plan, gpu_memory_bytes=80 * GiB)
-    for needle in ("qwen3.5-27b", "GiB", "MiB", "per token per layer", "768.00 KiB", "KV blocks fit"):
+    for needle in ("qwen3.5-27b", "GiB", "MiB", "per token per layer", "768.00 KiB", "KV blocks fit",
+                   "rank 0 holds it and the whole tower", "(rank 0 only"):
         assert needle in text
 
 

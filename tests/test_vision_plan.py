@@ -51,8 +51,11 @@ def test_plan_counts_the_encoder_cache_the_engine_holds(ckpt, capsys):
                                 + plan.encoder_cache_bytes)
     # a bigger step budget is the capacity when it is more than one largest picture
     assert plan_memory(cfg, 256, 1, max_num_batched_tokens=100, max_tokens_per_image=64).encoder_cache_tokens == 100
-    # images are refused under tensor parallelism: no cache there; none without the tower either
-    assert plan_memory(cfg, 256, 1, tp=2, max_num_batched_tokens=BUDGET).encoder_cache_bytes == 0
+    # under tensor parallelism rank 0 holds the whole tower and the same cache; none without the tower
+    two = plan_memory(cfg, 256, 1, dtype="float32", tp=2, max_num_batched_tokens=BUDGET, max_tokens_per_image=64)
+    assert two.encoder_cache_bytes == plan.encoder_cache_bytes
+    tower = {p.name: p.total_bytes_per_rank for p in plan.weight_parts}["vision tower"]
+    assert {p.name: p.total_bytes_per_rank for p in two.weight_parts}["vision tower"] == tower
     assert plan_memory(cfg, 256, 1, include_vision=False).encoder_cache_bytes == 0
 
     engine = llm.engine

@@ -99,7 +99,6 @@ class LLMEngine:
                     "(no mtp.* tensors); drop speculative_config"
                 )
             self.model_config = self.model.config
-        self.image_processor, self.encoder_cache = self._vision_inputs(path)
         rank_cfg = rank_config(self.model_config, tp)  # each rank's heads: the cache budget is per rank
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
         kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
@@ -125,6 +124,11 @@ class LLMEngine:
                 self.model, self.cache_tensors, enforce_eager=config.enforce_eager, with_mtp=k > 0
             )
             store = SnapshotStore(self.cache_tensors, plan.num_snapshots) if plan.num_snapshots else None
+        try:  # under tensor parallelism from rank 0's model, which holds the vision tower
+            self.image_processor, self.encoder_cache = self._vision_inputs(path)
+        except EngineConfigError:
+            self.executor.close()  # the workers started already
+            raise
         snapshots = None if store is None else SnapshotPool(store)
         self.cache = CacheManager(
             plan.num_blocks, config.block_size, plan.num_slots, snapshots, config.mamba_block_size, with_mtp=k > 0
@@ -167,7 +171,7 @@ class LLMEngine:
         """The image processor (the checkpoint's preprocessor_config.json) and the encoder cache, for a model
         whose vision tower is loaded; (None, None) for a text-only one."""
         vision = self.model_config.vision
-        if self.config.tensor_parallel_size > 1 or self.model.visual is None:
+        if self.model.visual is None:
             return None, None
         processor = ImageProcessor.from_dir(path, vision.patch_size, vision.temporal_patch_size,
                                             vision.spatial_merge_size)
@@ -266,9 +270,6 @@ class LLMEngine:
         images = list(images) if isinstance(images, list | tuple) else [images]
         if not images:
             return ids, None
-        if self.config.tensor_parallel_size > 1 and self.model_config.vision is not None:
-            raise MultiModalError("images do not run under tensor parallelism yet (the vision tower is not "
-                                  "sharded); serve this model with tensor_parallel_size=1 to send images")
         limit = (self.config.limit_mm_per_prompt or {}).get("image")
         vision = self.model_config.vision if self.encoder_cache is not None else None
         return build_multimodal_prompt(ids, images, vision, self.image_processor, limit)

@@ -1,5 +1,6 @@
 """Memory planner: how many bytes the weights, the paged KV cache of the attention layers, the
-per-sequence GDN states and the vision encoder cache take, per tensor-parallel rank, for a workload. The
+per-sequence GDN states and the vision encoder cache take, per tensor-parallel rank (rank 0's, which alone
+holds the vision tower and its encoder cache), for a workload. The
 cache arithmetic is deltaserve/cache/sizing.py's (and engine/encoder_cache.py's), the same functions the
 engine sizes its pools with, so the two can never disagree; per-rank head counts are
 deltaserve/model/sharding.py's; `deltaserve plan` prints the plan (deltaserve/cli_plan.py)."""
@@ -152,37 +153,38 @@ def _names_module(full_name: str, module: str) -> bool:
     return re.search(rf"(^|\.){re.escape(module)}(\.|$)", full_name) is not None
 
 
-def _vision_tensors(cfg: ModelConfig, tp: int) -> list[_Tensor]:
+def _vision_tensors(cfg: ModelConfig) -> list[_Tensor]:
+    """The tower's tensors; under tensor parallelism rank 0 holds them all (the plan sizes rank 0, the largest)
+    and the other ranks none: the tower is not sharded (executor/tensor_parallel.py)."""
     v = cfg.vision
     assert v is not None
     h, i, p = v.hidden_size, v.intermediate_size, v.patch_size
     m = h * v.spatial_merge_size**2
     out = v.out_hidden_size
-    c = math.ceil
     t = [
         _Tensor("patch_embed.proj.weight", (h, v.in_channels, v.temporal_patch_size, p, p),
                 (h, v.in_channels, v.temporal_patch_size, p, p)),
         _Tensor("patch_embed.proj.bias", (h,), (h,)),
         _Tensor("pos_embed", (v.num_position_embeddings, h), (v.num_position_embeddings, h)),
     ]
-    block = [  # vLLM shards the ViT blocks' attention and MLP like the text model
+    block = [
         _Tensor("norm1", (2 * h,), (2 * h,)),
         _Tensor("norm2", (2 * h,), (2 * h,)),
-        _Tensor("attn.qkv", (3 * h, h), (c(3 * h / tp), h), True),
-        _Tensor("attn.qkv.bias", (3 * h,), (c(3 * h / tp),)),
-        _Tensor("attn.proj", (h, h), (h, c(h / tp)), True),
+        _Tensor("attn.qkv", (3 * h, h), (3 * h, h), True),
+        _Tensor("attn.qkv.bias", (3 * h,), (3 * h,)),
+        _Tensor("attn.proj", (h, h), (h, h), True),
         _Tensor("attn.proj.bias", (h,), (h,)),
-        _Tensor("mlp.linear_fc1", (i, h), (c(i / tp), h), True),
-        _Tensor("mlp.linear_fc1.bias", (i,), (c(i / tp),)),
-        _Tensor("mlp.linear_fc2", (h, i), (h, c(i / tp)), True),
+        _Tensor("mlp.linear_fc1", (i, h), (i, h), True),
+        _Tensor("mlp.linear_fc1.bias", (i,), (i,)),
+        _Tensor("mlp.linear_fc2", (h, i), (h, i), True),
         _Tensor("mlp.linear_fc2.bias", (h,), (h,)),
     ]
     t += [_Tensor(f"blocks.{b}.{x.name}", x.full, x.rank, x.linear) for b in range(v.depth) for x in block]
     t += [
         _Tensor("merger.norm", (2 * h,), (2 * h,)),
-        _Tensor("merger.linear_fc1", (m, m), (c(m / tp), m), True),
-        _Tensor("merger.linear_fc1.bias", (m,), (c(m / tp),)),
-        _Tensor("merger.linear_fc2", (out, m), (out, c(m / tp)), True),
+        _Tensor("merger.linear_fc1", (m, m), (m, m), True),
+        _Tensor("merger.linear_fc1.bias", (m,), (m,)),
+        _Tensor("merger.linear_fc2", (out, m), (out, m), True),
         _Tensor("merger.linear_fc2.bias", (out,), (out,)),
     ]
     return t
@@ -282,7 +284,7 @@ def weight_parts(
     if model.mtp is not None:
         parts.append(part("MTP", "mtp", 1, _tensors(model.mtp, cfg, r), included=with_mtp))
     if cfg.vision is not None:
-        vision = _vision_tensors(cfg, tp)
+        vision = _vision_tensors(cfg)
         parts.append(part("vision tower", "model.visual", 1, vision, included=include_vision))
     return parts
 
@@ -409,7 +411,7 @@ def plan_memory(
     active_bytes = sum(p.total_active_bytes_per_rank for p in parts if p.included and p.name != "vision tower")
 
     per_image = encoder_tokens = encoder_bytes = 0
-    if cfg.vision is not None and include_vision and tp == 1:  # under TP the engine refuses images
+    if cfg.vision is not None and include_vision:  # under TP on rank 0, beside the tower
         per_image = default_max_tokens_per_image(cfg.vision) if max_tokens_per_image is None else max_tokens_per_image
         encoder_tokens = encoder_cache_tokens(max_num_batched_tokens, per_image)
         encoder_bytes = encoder_tokens * cfg.vision.out_hidden_size * DTYPE_BYTES[model_dtype]

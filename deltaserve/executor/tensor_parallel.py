@@ -4,7 +4,9 @@ the step (tp_protocol.py), then every rank runs its shard of the same forward wi
 make_executor chose for it (the fused C++ step, which calls the all-reduces through a hook, or the torch
 reference executor); the row-parallel all-reduces leave the hidden states replicated, so sampling happens
 once, here. Logits are vocab-parallel and gathered; greedy tokens are the argmax of the gathered logits.
-GDN states live per rank, so MTP passes and commit_verified run on every rank too.
+GDN states live per rank, so MTP passes and commit_verified run on every rank too. The vision tower is
+not sharded: rank 0 runs it (encode_images), and each forward that reaches an image sends its merged tokens
+to the workers with the step.
 
 Failure is loud, never a hang: before each call the driver checks that its local workers live; a
 collective that fails (a peer gone, or no answer within DELTASERVE_TP_TIMEOUT) marks the executor failed
@@ -73,7 +75,13 @@ class TensorParallelExecutor(Executor):
     # ---- the Executor interface: broadcast the call, then run rank 0's part of it ----------------------
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, output_rows: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        msg = Message(Command.FORWARD, pack_step(input_ids, ctx, output_rows))
+        embeds = None
+        if ctx.mm_embeds is not None:  # every rank puts the same merged image tokens at the same rows
+            rows, embeds = ctx.mm_embeds
+            embeds = embeds.to(self.model.activation_dtype)  # what each executor reads them as; the workers too
+            ctx.mm_embeds = (rows, embeds)
+        ints = pack_step(input_ids, ctx, output_rows, None if embeds is None else ctx.mm_embeds[0])
+        msg = Message(Command.FORWARD, ints, embeds)
         return self._call(msg, lambda: self.local.forward(input_ids, ctx, output_rows))
 
     def compute_logits(self, hidden: torch.Tensor, rows: Rows = None) -> torch.Tensor:
@@ -88,6 +96,13 @@ class TensorParallelExecutor(Executor):
                    ) -> torch.Tensor:
         msg = Message(Command.MTP, pack_step(next_token_ids, ctx), hidden, step)
         return self._call(msg, lambda: self.local.mtp_hidden(next_token_ids, hidden, ctx, step))
+
+    def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Rank 0 alone holds the (whole, unsharded) vision tower and runs it: no collective, nothing sent. The
+        merged tokens travel with the forward that places them (ctx.mm_embeds), so the workers need neither the
+        tower nor the encoder cache, and hold the same embeddings as rank 0 for every step."""
+        self.check_health()
+        return self.local.encode_images(pixels, grids)
 
     def commit_verified(self, ctx: ForwardContext, accepted: list[int]) -> None:
         msg = Message(Command.COMMIT, torch.tensor(accepted, dtype=torch.long))

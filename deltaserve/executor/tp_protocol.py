@@ -1,9 +1,10 @@
 """What the tensor-parallel driver tells its workers each call: a fixed header, then the call's integers
-as one int64 tensor and its hidden rows as one float tensor, each sent by a torch.distributed broadcast
-from rank 0 (three collectives at most, no pickles on the step path). The integers begin with the GDN
-snapshot copies of prefix caching that the driver's cache manager made since its last call (scheduling
-restores a hit's snapshot into a slot, the step after it saves a slot): every rank replays them on its own
-states before it runs the call."""
+as one int64 tensor and its hidden rows as one float tensor (an MTP pass's trunk hidden; a step's merged
+image tokens, computed by rank 0's vision tower, for its placeholders' rows), each sent by a
+torch.distributed broadcast from rank 0 (three collectives at most, no pickles on the step path). The
+integers begin with the GDN snapshot copies of prefix caching that the driver's cache manager made since its
+last call (scheduling restores a hit's snapshot into a slot, the step after it saves a slot): every rank
+replays them on its own states before it runs the call."""
 
 from __future__ import annotations
 
@@ -68,29 +69,40 @@ def receive(hidden_size: int, dtype: torch.dtype) -> Message:
     return Message(Command(command), ints[3 * copies :], hidden, arg, ints[: 3 * copies].view(copies, 3))
 
 
-def pack_step(input_ids: torch.Tensor, ctx: ForwardContext, output_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """A paged step as integers: [B, T, W, has_verify, R] then input ids, positions, query_start_loc,
-    context lens, block tables, state slots, slot mapping, verify flags, output rows."""
-    if ctx.cache is None or ctx.positions.dim() != 1:
-        raise ValueError("tensor parallelism runs the engine's paged steps only (1-D positions, a cache)")
+def pack_step(input_ids: torch.Tensor, ctx: ForwardContext, output_rows: torch.Tensor | None = None,
+              mm_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A paged step as integers: [B, T, W, has_verify, R, P, M] then query_start_loc, context lens, verify
+    flags, input ids, positions (P = 1 row, or 3 for mRoPE [3, T]), block tables, state slots, slot mapping,
+    output rows, and the M rows whose embeddings an image's merged tokens replace (mm_rows; M = -1 without
+    them: the embeddings themselves travel as the call's hidden rows)."""
+    pos = ctx.positions
+    if ctx.cache is None or not (pos.dim() == 1 or (pos.dim() == 2 and pos.shape[0] == 3)):
+        raise ValueError("tensor parallelism runs the engine's paged steps only ([T] or [3, T] positions, a cache)")
     B, T = ctx.num_seqs, input_ids.numel()
     W = ctx.block_tables.shape[1]
     R = -1 if output_rows is None else output_rows.numel()
+    P = 1 if pos.dim() == 1 else 3
+    M = -1 if mm_rows is None else mm_rows.numel()
     verify = ctx.verify or []
-    head = [B, T, W, int(ctx.verify is not None), R]
+    head = [B, T, W, int(ctx.verify is not None), R, P, M]
     parts = [
         torch.tensor(head + ctx.query_start_loc + ctx.context_lens + [int(v) for v in verify], dtype=torch.long),
-        input_ids.reshape(-1), ctx.positions, ctx.block_tables.reshape(-1), ctx.state_slots, ctx.slot_mapping,
+        input_ids.reshape(-1), pos.reshape(-1), ctx.block_tables.reshape(-1), ctx.state_slots,
+        ctx.slot_mapping,
     ]
     if output_rows is not None:
         parts.append(output_rows.reshape(-1))
+    if mm_rows is not None:
+        parts.append(mm_rows.reshape(-1))
     return torch.cat([p.to(torch.long) for p in parts])
 
 
-def unpack_step(ints: torch.Tensor, cache: CacheTensors) -> tuple[torch.Tensor, ForwardContext, torch.Tensor | None]:
-    """pack_step's inverse over this rank's own cache: input ids, the context, output rows (or None)."""
-    B, T, W, has_verify, R = ints[:5].tolist()
-    at = 5
+def unpack_step(ints: torch.Tensor, cache: CacheTensors, mm_embeds: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, ForwardContext, torch.Tensor | None]:
+    """pack_step's inverse over this rank's own cache: input ids, the context (with mm_embeds, the call's
+    hidden rows, at the packed rows), output rows (or None)."""
+    B, T, W, has_verify, R, P, M = ints[:7].tolist()
+    at = 7
     small = ints[at : at + (B + 1) + B + (B if has_verify else 0)].tolist()
     at += len(small)
     qsl, context_lens = small[: B + 1], small[B + 1 : 2 * B + 1]
@@ -101,13 +113,19 @@ def unpack_step(ints: torch.Tensor, cache: CacheTensors) -> tuple[torch.Tensor, 
         at += n
         return ints[at - n : at]
 
-    input_ids, positions = take(T), take(T)
+    input_ids = take(T)
+    positions = take(T) if P == 1 else take(P * T).view(P, T)
     block_tables = take(B * W).view(B, W)
     state_slots, slot_mapping = take(B), take(T)
     output_rows = take(R) if R >= 0 else None
+    mm_rows = take(M) if M >= 0 else None
+    if (mm_rows is None) != (mm_embeds is None) or (mm_embeds is not None and mm_embeds.shape[0] != M):
+        raise RuntimeError(f"a step with {M} image rows came with {None if mm_embeds is None else mm_embeds.shape[0]} "
+                           "embedding rows")
     ctx = ForwardContext(
         positions=positions, query_start_loc=qsl, context_lens=context_lens, cache=cache,
         block_tables=block_tables, state_slots=state_slots, slot_mapping=slot_mapping, verify=verify,
+        mm_embeds=None if mm_rows is None else (mm_rows, mm_embeds),
     )
     return input_ids, ctx, output_rows
 

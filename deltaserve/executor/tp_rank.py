@@ -115,7 +115,7 @@ class RankWorker:
                 raise RuntimeError("GDN snapshot copies for a rank without a snapshot pool")
             self.snapshots.apply(msg.copies)
         if msg.command == Command.FORWARD:
-            input_ids, ctx, rows = unpack_step(msg.ints, self.cache)
+            input_ids, ctx, rows = unpack_step(msg.ints, self.cache, msg.hidden)  # hidden: merged image tokens
             self.executor.forward(input_ids, ctx, rows)
             self.last_step = ctx
         elif msg.command == Command.LOGITS:

@@ -2,9 +2,10 @@
 
 Accepted layouts: the official one (`model.language_model.*`, `model.visual.*`, `lm_head.weight`, `mtp.*`)
 and the `*ForCausalLM` one (`model.*`). `model.visual.*` fills the vision tower (model/vision.py, the same
-names under `visual.*`) when config.json has a vision_config; without one it is skipped. FP8
-block-quantized weights (`quantization_config.quant_method == "fp8"`) are dequantized on load with their
-`weight_scale_inv` (one scale per block). A missing, unexpected or mis-shaped tensor is an error naming it.
+names under `visual.*`) when config.json has a vision_config (under tensor parallelism on rank 0 only,
+whole); without one it is skipped. FP8 block-quantized weights (`quantization_config.quant_method == "fp8"`)
+are dequantized on load with their `weight_scale_inv` (one scale per block). A missing, unexpected or
+mis-shaped tensor is an error naming it.
 
 Some checkpoint tensors fill part of a parameter, or several (deltaserve/model/checkpoint_names.py): MoE
 experts come fused into 3-D tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, the bf16
@@ -283,9 +284,11 @@ def load_model(
         raise CheckpointError(f"{path} has no mtp.* tensors, so it cannot draft with its MTP head")
     load_mtp = has_mtp if with_mtp is None else with_mtp
     has_visual = any(n.startswith("model.visual.") for n in names)
-    with_vision = cfg.vision is not None and has_visual and shard.size == 1
+    # Under tensor parallelism rank 0 holds the whole tower and runs it (executor/tensor_parallel.py); the
+    # other ranks receive its merged tokens with each step.
+    with_vision = cfg.vision is not None and has_visual and shard.rank == 0
     if has_visual and not with_vision:
-        why = "config.json has no vision_config" if cfg.vision is None else "tensor parallelism runs text only"
+        why = "config.json has no vision_config" if cfg.vision is None else f"rank 0 runs it, not rank {shard.rank}"
         log.info("skipping the vision tower (model.visual.*): %s", why)
 
     with torch.device("meta"):  # shapes only: every parameter gets its memory once, in its format
@@ -341,7 +344,7 @@ def load_model(
     parts = {}
     if shard.size > 1 and not fp8:
         for n in wanted:
-            if (part := rank_part(map_name(n), cfg, shard.rank, shard.size)) is not None:
+            if (part := rank_part(map_name(n, with_vision), cfg, shard.rank, shard.size)) is not None:
                 parts[n] = part
     with torch.no_grad():
         for name, tensor in iter_tensors(path, names, list(wanted), parts):

@@ -138,8 +138,9 @@ def rank_part(name: str, cfg: ModelConfig, rank: int, tp: int) -> RankPart | Non
     gate/up rows and down_proj columns, and so for the shared expert and each routed expert (fused 3-D or
     per expert: its gate and up rows, its down columns); embedding / lm_head rows of the padded vocabulary
     (zeros past its end); Qwen3-Next's in_proj_qkvz / in_proj_ba row groups of the rank's key heads. Norms,
-    mtp.fc, the router (mlp.gate) and mlp.shared_expert_gate are replicated."""
-    if tp == 1:
+    mtp.fc, the router (mlp.gate) and mlp.shared_expert_gate are replicated; the vision tower (visual.*) is
+    read whole, by rank 0 alone."""
+    if tp == 1 or name.startswith("visual."):
         return None
     r = rank_shape(cfg, tp)
 

@@ -95,9 +95,6 @@ def _images(engine: AsyncEngine, req: ChatCompletionRequest, media: MediaOptions
     if not urls:
         return []
     core = engine.engine
-    if core.encoder_cache is None and core.config.tensor_parallel_size > 1 and core.model_config.vision is not None:
-        raise APIError(400, "images do not run under tensor parallelism yet (the vision tower is not sharded)",
-                       param="messages")
     if core.encoder_cache is None:  # before any fetch: the model could not use them anyway
         raise APIError(400, "this model has no vision tower (its checkpoint has no model.visual.* tensors or no "
                        "vision_config), so it cannot take image_url parts", param="messages")
