@@ -53,16 +53,20 @@ class VisionAttention(nn.Module):
         """x [N, hidden]; each of `segments` (one frame of one image) attends within itself, unmasked."""
         N = x.shape[0]
         q, k, v = self.qkv(x).view(N, 3, self.num_heads, self.head_dim).unbind(1)  # each [N, heads, hd]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        outs, start = [], 0
-        for n in segments:
-            qs, ks, vs = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n, hd]
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1))
-            start += n
-        return self.proj(torch.cat(outs).reshape(N, -1))
+        return self.proj(attend(rotate(q, cos, sin), rotate(k, cos, sin), v, segments).reshape(N, -1))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[int]) -> torch.Tensor:
+    """q, k, v [N, heads, hd] -> [N, heads, hd]: each of `segments` (consecutive rows) attends within itself."""
+    outs, start = [], 0
+    for n in segments:
+        qs, ks, vs = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n, hd]
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1))
+        start += n
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary over the whole head, in fp32 (as transformers' apply_rotary_pos_emb_vision)."""
     xf = x.float()
     half = xf.shape[-1] // 2
@@ -132,6 +136,15 @@ class VisionTower(nn.Module):
     def forward(self, pixels: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
         """pixels [sum of t*h*w, patch_dim] for the images of `grids`, in the processor's patch order ->
         merged visual tokens [sum of t*h*w / merge**2, out_hidden_size], image after image."""
+        x, cos, sin, segments = self.embed(pixels, grids)
+        for block in self.blocks:
+            x = block(x, cos, sin, segments)
+        return self.merger(x)
+
+    def embed(self, pixels: torch.Tensor, grids: list[Grid]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      list[int]]:
+        """What the blocks take: patch embeddings plus positions [N, hidden], the rotary's cos and sin, and the
+        attention segments (one per frame of each image)."""
         expected = sum(t * h * w for t, h, w in grids)
         if pixels.shape != (expected, self.config.patch_dim):
             raise ValueError(
@@ -141,10 +154,7 @@ class VisionTower(nn.Module):
         x = self.patch_embed(pixels)
         x = x + self.position_embeddings(grids).to(x.dtype)
         cos, sin = self.rotary(grids)
-        segments = [h * w for t, h, w in grids for _ in range(t)]
-        for block in self.blocks:
-            x = block(x, cos, sin, segments)
-        return self.merger(x)
+        return x, cos, sin, [h * w for t, h, w in grids for _ in range(t)]
 
     def _merge_order(self, grid_values: torch.Tensor, h: int, w: int) -> torch.Tensor:
         """A per-patch [h, w, ...] grid -> [h*w, ...] rows in merge-block order (block rows, block cols, m, m)."""

@@ -8,6 +8,7 @@ import torch
 
 from deltaserve.executor.base import Executor, Rows
 from deltaserve.executor.fused_cpu.stack import FusedMTP, FusedTrunk
+from deltaserve.executor.fused_cpu.vision import encode_images
 from deltaserve.model.context import CacheTensors, ForwardContext
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 
@@ -20,7 +21,8 @@ class FusedCPUExecutor(Executor):
     def __init__(self, model: Qwen3_5ForCausalLM, cache: CacheTensors, with_mtp: bool = False) -> None:
         """with_mtp: build the MTP head's C++ stack too (speculative decoding drafts with it)."""
         self.trunk = FusedTrunk(model, cache)
-        self._model = model  # its vision tower (if any) runs in torch: once per image, not once per step
+        # Its vision tower (if any) runs in torch, once per image, not once per step: fused_cpu/vision.py.
+        self._model = model
         self.shard = model.shard  # tensor parallelism: the stacks all-reduce in it; logits are gathered here
         self.vocab_size = model.config.vocab_size
         self._mtp = None
@@ -60,7 +62,9 @@ class FusedCPUExecutor(Executor):
         return self._mtp(next_token_ids, hidden, ctx, step=step)
 
     def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
-        return self._model.encode_images(pixels, grids)
+        if self._model.visual is None:
+            return self._model.encode_images(pixels, grids)  # its error: the model has no tower
+        return encode_images(self._model.visual, pixels, grids)
 
     def commit_verified(self, ctx: ForwardContext, accepted: list[int]) -> None:
         self.trunk.commit_verified(ctx, accepted)

@@ -1,0 +1,79 @@
+"""The fused executor's vision tower (deltaserve/executor/fused_cpu/vision.py) against the torch tower it reads
+(model/vision.py, the reference) and transformers: the same numbers for an fp32 checkpoint, bf16 dot products
+within bf16's rounding for a bf16 one, and the module's own forward for a quantized one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from deltaserve import LLM
+from tests.test_vision_tower import GRIDS, _pixels
+from tests.vision_checkpoint import VISION, random_hf_vision_model, save_vision_checkpoint
+
+# Each matrix product's op (under inference mode a linear reaches the dispatcher whole) -> its weight argument.
+MATMULS = {torch.ops.aten.linear.default: 1, torch.ops.aten.addmm.default: 2, torch.ops.aten.mm.default: 1}
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """Records the dtype of every matrix product that runs under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: list[torch.dtype] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in MATMULS:
+            self.dtypes.append(args[MATMULS[func]].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return random_hf_vision_model(seed=5)
+
+
+def _encode(llm: LLM, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.dtype]]:
+    """(the executor's tower output, the torch reference's, the dtypes of the executor's matrix products)."""
+    engine = llm.engine
+    assert engine.executor.name == "fused-cpu"
+    with torch.inference_mode():
+        with MatmulDtypes() as seen:
+            fast = engine.executor.encode_images(pixels, GRIDS)
+        reference = engine.model.encode_images(pixels, GRIDS)
+    return fast, reference, seen.dtypes
+
+
+def test_fp32_tower_gives_the_reference_numbers_and_transformers(hf, tmp_path):
+    llm = LLM(str(save_vision_checkpoint(hf, tmp_path / "ck")), enable_prefix_caching=False)
+    pixels = _pixels(GRIDS, llm.engine.model.visual.config.patch_dim)
+    fast, reference, dtypes = _encode(llm, pixels)
+    assert torch.equal(fast, reference)
+    assert set(dtypes) == {torch.float32}
+    with torch.no_grad():
+        theirs = hf.model.visual(pixels, grid_thw=torch.tensor(GRIDS)).pooler_output
+    torch.testing.assert_close(fast, theirs, atol=2e-5, rtol=1e-4)
+
+
+def test_bf16_tower_runs_bf16_dot_products_within_bf16_rounding(hf, tmp_path):
+    path = save_vision_checkpoint(copy.deepcopy(hf).to(torch.bfloat16), tmp_path / "ck16")
+    llm = LLM(str(path), enable_prefix_caching=False)
+    visual = llm.engine.model.visual
+    assert visual.blocks[0].attn.qkv.weight.dtype == torch.bfloat16  # stored as the checkpoint has it
+    fast, reference, dtypes = _encode(llm, _pixels(GRIDS, visual.config.patch_dim))
+    # Every projection (4 per block, the merger's 2) in bf16; the patch embedding (kept fp32) and nothing else.
+    assert dtypes.count(torch.bfloat16) == 4 * VISION["depth"] + 2
+    assert dtypes.count(torch.float32) == 1
+    assert fast.dtype == torch.float32 and not torch.equal(fast, reference)
+    scale = reference.abs().max().item()
+    torch.testing.assert_close(fast, reference, atol=2e-2 * scale, rtol=2e-2)
+
+
+def test_int8_tower_runs_the_modules_own_products(hf, tmp_path):
+    llm = LLM(str(save_vision_checkpoint(hf, tmp_path / "ck")), quantization="int8", enable_prefix_caching=False)
+    assert llm.engine.model.visual.blocks[0].mlp.linear_fc1.fmt.name == "int8"
+    fast, reference, _ = _encode(llm, _pixels(GRIDS, llm.engine.model.visual.config.patch_dim))
+    assert torch.equal(fast, reference)
