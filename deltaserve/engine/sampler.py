@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from deltaserve.engine.structured import (
@@ -23,7 +24,6 @@ from deltaserve.engine.structured import (
     GrammarMatcher,
     apply_grammar_masks,
     compute_masks_ahead,
-    grammar_bitmask,
     refused_rows,
     row_masks,
 )
@@ -200,10 +200,9 @@ class Sampler:
         rows = [i for i, s in enumerate(states) if s.grammar is not None]
         grammars = [states[i].grammar for i in rows]
         masks = row_masks(grammars, [states[i].output_token_ids for i in rows])
-        grammar_eos = grammars[0].eos_token_id
-        refused = refused_rows(masks, [tokens[i] for i in rows], grammar_eos, self.eos_token_ids)
+        refused = refused_rows(masks, [tokens[i] for i in rows])
         if refused:
-            bitmask = grammar_bitmask([masks[r] for r in refused], grammar_eos, self.eos_token_ids)
+            bitmask = np.stack([masks[r] for r in refused])  # stop ids allowed as the grammar's end (the masks)
             fixed = masked_argmax_of([rows[r] for r in refused], torch.from_numpy(bitmask)).tolist()
             for r, t in zip(refused, fixed, strict=True):
                 tokens[rows[r]] = t
@@ -232,7 +231,7 @@ class Sampler:
         if rows:
             apply_grammar_masks(
                 logits, rows, [states[i].grammar for i in rows], [states[i].output_token_ids for i in rows],
-                self.eos_token_ids, [states[i].params.greedy for i in rows],
+                [states[i].params.greedy for i in rows],
             )
         return logits
 

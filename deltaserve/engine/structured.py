@@ -120,12 +120,14 @@ class CompiledGrammar:
 
     grammar: str
     lltokenizer: Any
+    stop_ids: tuple[int, ...] = ()  # the engine's other ids that end a sequence (GrammarMatcher.stop_ids)
     _prototype: Any = None
 
     def matcher(self) -> GrammarMatcher:
         if self._prototype is None:
             self._prototype = llguidance_module().LLMatcher(self.lltokenizer, self.grammar, log_level=0)
-        return GrammarMatcher(self._prototype.deep_copy(), self.lltokenizer.eos_token, self.lltokenizer.vocab_size)
+        return GrammarMatcher(self._prototype.deep_copy(), self.lltokenizer.eos_token, self.lltokenizer.vocab_size,
+                              self.stop_ids)
 
 
 class GrammarCompiler:
@@ -185,7 +187,9 @@ class GrammarCompiler:
         error = llg.LLMatcher.validate_grammar(grammar, self.lltokenizer)
         if error:
             raise GrammarError(f"the {_what(spec)} is invalid: {error.strip()}")
-        return CompiledGrammar(grammar, self.lltokenizer)
+        end = self.lltokenizer.eos_token
+        stop_ids = tuple(t for t in self.eos_token_ids if 0 <= t < self.vocab_size and t != end)
+        return CompiledGrammar(grammar, self.lltokenizer, stop_ids)
 
 
 @dataclass(slots=True, eq=False)
@@ -195,11 +199,14 @@ class GrammarMatcher:
     matcher: Any
     eos_token_id: int  # the grammar's end token
     vocab_size: int  # the mask's width in tokens
+    # The engine's other ids that end a sequence (a checkpoint's EOS id can also be an ordinary token of the
+    # tokenizer): the masks allow each exactly when they allow the grammar's end token (with_stop_ids).
+    stop_ids: tuple[int, ...] = ()
     tokens: list[int] = field(default_factory=list)
     # The list last synced to. A request's own output list only ever grows (the engine appends to it), so
     # when it comes again its first len(tokens) entries need no comparing.
     _source: Any = None
-    # The next-token bitmask at exactly `tokens`, once computed; None whenever the matcher moves.
+    # The next-token bitmask at exactly `tokens` (stop ids included), once computed; None whenever it moves.
     _mask: np.ndarray | None = None
 
     def sync(self, tokens: Sequence[int]) -> bool:
@@ -226,24 +233,39 @@ class GrammarMatcher:
         self.tokens.extend(new[:taken])
         return taken == len(new)
 
-    def allows(self, token: int, eos_token_ids: Sequence[int]) -> bool:
+    def allows(self, token: int) -> bool:
         """Whether the mask at the matcher's position allows `token` (an id that ends the sequence: whether
         the grammar may end). The mask, not validate_tokens: llguidance's validate_tokens admits some tokens
         its mask leaves out, and every path must agree with the masked argmax."""
-        if token in eos_token_ids:
-            token = self.eos_token_id  # the mask allows the grammar's end token exactly when it may end
         return bool((int(self.mask()[token >> 5]) >> (token & 31)) & 1)
 
     def mask(self) -> np.ndarray:
-        """The next-token bitmask at the matcher's position (int32 words, llguidance's layout), computed once
-        per position (compute_masks_ahead computes it for many matchers at once)."""
+        """The next-token bitmask at the matcher's position (int32 words, llguidance's layout, stop ids
+        allowed as the grammar's end token is), computed once per position (compute_masks_ahead computes it
+        for many matchers at once)."""
         if self._mask is None:
             from llguidance.torch import fill_next_token_bitmask
 
             bitmask = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
             fill_next_token_bitmask(self.matcher, bitmask, 0)
-            self._mask = bitmask.numpy()[0]
+            words = bitmask.numpy()
+            with_stop_ids(words, self.eos_token_id, self.stop_ids)
+            self._mask = words[0]
         return self._mask
+
+
+def with_stop_ids(words: np.ndarray, grammar_eos: int, stop_ids: Sequence[int]) -> None:
+    """Bitmasks words [R, W] (int32) changed in place so that each stop id is allowed exactly when the
+    grammar's end token is: an id that ends the sequence must not end the output where the grammar cannot
+    end, nor be refused where it may. Done once per mask, where it is computed (the worker's batch at once),
+    so the sampler reads every mask as it is."""
+    if not stop_ids:
+        return
+    bits = words.view(np.uint32)
+    end = (bits[:, grammar_eos >> 5] >> np.uint32(grammar_eos & 31)) & np.uint32(1)
+    for t in stop_ids:
+        bit = np.uint32(1 << (t & 31))
+        bits[:, t >> 5] = (bits[:, t >> 5] & ~bit) | (end << np.uint32(t & 31))
 
 
 _mask_executor: Any = None
@@ -271,6 +293,7 @@ def compute_masks_ahead(matchers: Sequence[GrammarMatcher], outputs: Sequence[Se
     bitmask = torch.full((len(live), (live[0].vocab_size + 31) // 32), -1, dtype=torch.int32)
     fill_next_token_bitmask_par(_mask_executor, [(m.matcher, i) for i, m in enumerate(live)], bitmask)
     words = bitmask.numpy()
+    with_stop_ids(words, live[0].eos_token_id, live[0].stop_ids)  # one grammar tokenizer, one engine: the same
     for i, m in enumerate(live):
         m._mask = words[i]
 
@@ -283,51 +306,28 @@ def row_masks(matchers: Sequence[GrammarMatcher], outputs: Sequence[Sequence[int
     return [m.mask() if m.sync(out) else None for m, out in zip(matchers, outputs, strict=True)]
 
 
-def refused_rows(masks: Sequence[np.ndarray | None], tokens: Sequence[int], grammar_eos: int,
-                 eos_token_ids: Sequence[int]) -> list[int]:
-    """The reachable rows whose mask refuses their token (an id that ends the sequence stands for the
-    grammar's end token). A Python loop: numpy's per-call overhead is more than this work at 32 rows."""
-    ends = set(eos_token_ids)
-    refused = []
-    for r, (mask, t) in enumerate(zip(masks, tokens, strict=True)):
-        if mask is None:
-            continue
-        if t in ends:
-            t = grammar_eos
-        if not (mask.item(t >> 5) >> (t & 31)) & 1:
-            refused.append(r)
-    return refused
+def refused_rows(masks: Sequence[np.ndarray | None], tokens: Sequence[int]) -> list[int]:
+    """The reachable rows whose mask refuses their token. A Python loop: numpy's per-call overhead is more
+    than this work at 32 rows."""
+    return [r for r, (mask, t) in enumerate(zip(masks, tokens, strict=True))
+            if mask is not None and not (mask.item(t >> 5) >> (t & 31)) & 1]
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher],
-                        outputs: list[Sequence[int]], eos_token_ids: Sequence[int], greedy: list[bool]) -> None:
+                        outputs: list[Sequence[int]], greedy: list[bool]) -> None:
     """Masks (to -inf) each listed row's tokens its grammar cannot take next, in place
     (deltaserve/ops/token_mask.py). A greedy row whose argmax the grammar allows is left as it is (the
     masked row's argmax is that same token); so is an unreachable row."""
     masks = row_masks(matchers, outputs)
-    grammar_eos = matchers[0].eos_token_id
     checked = [r for r, mask in enumerate(masks) if greedy[r] and mask is not None]  # sampled rows take the mask
     top = logits[[rows[r] for r in checked]].argmax(dim=-1).tolist() if checked else []
-    refused = {checked[i] for i in refused_rows([masks[r] for r in checked], top, grammar_eos, eos_token_ids)}
+    refused = {checked[i] for i in refused_rows([masks[r] for r in checked], top)}
     need = [r for r, mask in enumerate(masks) if mask is not None and (not greedy[r] or r in refused)]
     if not need:
         return
-    bitmask = grammar_bitmask([masks[r] for r in need], grammar_eos, eos_token_ids)
+    bitmask = np.stack([masks[r] for r in need])
     idx = [rows[r] for r in need]
     if idx == list(range(logits.shape[0])):
         mask_logits_(logits, bitmask)
     else:
         logits[idx] = mask_logits_(logits[idx], bitmask)
-
-
-def grammar_bitmask(masks: Sequence[np.ndarray], grammar_eos: int, eos_token_ids: Sequence[int]) -> np.ndarray:
-    """The rows' masks as one int32 bitmask [R, W] in which every id that ends the sequence is allowed exactly
-    when the grammar's end token is (a checkpoint's EOS id can also be an ordinary token of the tokenizer: it
-    must not end the output early, nor be refused where the grammar may end)."""
-    bits = np.stack(masks).view(np.uint32)  # a copy: the matchers' masks stay as they are
-    end = (bits[:, grammar_eos >> 5] >> np.uint32(grammar_eos & 31)) & np.uint32(1)
-    for t in eos_token_ids:
-        if 0 <= t < bits.shape[1] * 32 and t != grammar_eos:
-            bit = np.uint32(1 << (t & 31))
-            bits[:, t >> 5] = (bits[:, t >> 5] & ~bit) | (end << np.uint32(t & 31))
-    return bits.view(np.int32)
