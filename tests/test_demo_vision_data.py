@@ -213,3 +213,15 @@ def test_a_batch_gives_each_examples_own_hidden_and_trains_the_tower(ckpt):
     loss.backward()
     assert torch.isfinite(loss) and model.visual.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
     assert model.visual.patch_embed.proj.weight.grad.abs().sum() > 0
+
+
+def test_the_eval_script_scores_every_cell_through_the_engine(llm):
+    from scripts.eval_demo_vision import evaluate, heldout_examples
+
+    examples = heldout_examples(10, seed=0)
+    assert [(e.kind, e.lang) for e in examples] == [(k, lang) for k in KINDS for lang in LANGS]
+    result = evaluate(llm, examples, thinking=False, samples=10)
+    assert all(c["total"] == 1 for row in result["counts"].values() for c in row.values())
+    right = [answer_is_right(ex, s["output"]) for ex, s in zip(examples, result["samples"], strict=True)]
+    assert [s["right"] for s in result["samples"]] == right
+    assert result["accuracy"] == sum(right) / 10

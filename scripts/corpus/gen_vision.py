@@ -329,12 +329,17 @@ def sample(rng: random.Random, split: str, kind: str | None = None, lang: str | 
         scene = _scene(rng, kind)
         if scene.split() == split:
             break
+    return example_of(scene, lang, rng.randrange(len(QUESTIONS[kind, lang])))
+
+
+def example_of(scene: Scene, lang: str, phrasing: int = 0) -> VisionExample:
+    """The example of one scene: its picture, question (QUESTIONS[scene.kind, lang][phrasing]) and answer."""
     item = scene.items[0] if scene.items else None
     names = {"shape": "", "shapes": ""} if item is None else {
         "shape": SHAPES[item.shape][2] if lang == "zh" else SHAPES[item.shape][0], "shapes": SHAPES[item.shape][1]}
-    question = rng.choice(QUESTIONS[kind, lang]).format(**names)
+    question = QUESTIONS[scene.kind, lang][phrasing].format(**names)
     answer, expected, reasoning = _text(scene, lang)
-    return VisionExample(draw(scene), question, answer, kind, lang, expected, reasoning)
+    return VisionExample(draw(scene), question, answer, scene.kind, lang, expected, reasoning)
 
 
 # ---- judging an answer ----
