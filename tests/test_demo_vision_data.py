@@ -225,3 +225,19 @@ def test_the_eval_script_scores_every_cell_through_the_engine(llm):
     right = [answer_is_right(ex, s["output"]) for ex, s in zip(examples, result["samples"], strict=True)]
     assert [s["right"] for s in result["samples"]] == right
     assert result["accuracy"] == sum(right) / 10
+
+
+def test_the_checkpoint_writer_stores_given_text_weights_and_the_tower(ckpt, tmp_path):
+    from safetensors.torch import load_file
+
+    stored = load_file(str(ckpt / "model.safetensors"))
+    text = {k: v.float() for k, v in stored.items() if not k.startswith("model.visual.")}
+    text["lm_head.weight"] = torch.zeros_like(text["lm_head.weight"])  # "fine-tuned"
+    visual = random_visual_tensors(seed=1)
+    out = write_vision_checkpoint(ckpt, tmp_path / "tuned", visual, text=text)
+    saved = load_file(str(out / "model.safetensors"))
+    assert saved["lm_head.weight"].dtype == torch.bfloat16 and not saved["lm_head.weight"].any()
+    assert set(saved) == set(stored)
+    assert all(torch.equal(saved[f"model.visual.{k}"], v.to(torch.bfloat16)) for k, v in visual.items())
+    assert not torch.equal(saved["model.visual.pos_embed.weight"], stored["model.visual.pos_embed.weight"])
+    assert json.loads((out / "preprocessor_config.json").read_text()) == demo_preprocessor_config()

@@ -21,6 +21,11 @@ How a VisionExample becomes training tensors (vision_training_inputs does all of
    index + delta).
 4. loss_mask marks the output's tokens: the logits at row t-1 learn token t where loss_mask[t].
 
+The trainable model: config = demo_config_with_vision(the demo's config.json, its tokenizer);
+Qwen3_5ForCausalLM(ModelConfig.from_dict(config), with_mtp=True, with_vision=True); the demo's tensors loaded
+with model.language_model.* renamed model.*; init_vision_tower(model.visual). Saved back with
+write_vision_checkpoint(DEMO_DIR, out, model.visual.state_dict(), text=the other tensors renamed back).
+
 The forward of a batch (VisionBatch.hidden): merged visual tokens = model.encode_images(pixel values, grids);
 ForwardContext.stateless(lengths) with positions = the [3, T] mRoPE positions and mm_embeds = (rows of the image
 tokens, the merged visual tokens); model(input_ids, ctx) gives the final-normed hidden [T, H];
@@ -136,18 +141,21 @@ def random_visual_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in tower.state_dict().items()}
 
 
-def write_vision_checkpoint(source: Path, out: Path, visual: dict[str, torch.Tensor]) -> Path:
-    """source's checkpoint (the demo) with a vision tower: its tensors plus `visual` as model.visual.* (in the
-    source's dtype), config.json with vision_config and the token ids, preprocessor_config.json, the tokenizer
-    and generation_config.json copied."""
+def write_vision_checkpoint(source: Path, out: Path, visual: dict[str, torch.Tensor],
+                            text: dict[str, torch.Tensor] | None = None) -> Path:
+    """source's checkpoint (the demo) with a vision tower: its tensors (or `text`, in the official names
+    model.language_model.* / mtp.* / lm_head.weight, e.g. fine-tuned ones) plus `visual` as model.visual.*, all in
+    the source's dtype; config.json with vision_config and the token ids, preprocessor_config.json, the tokenizer
+    and generation_config.json copied. out may be source itself."""
     from safetensors.torch import load_file, save_file
 
     from deltaserve.tokenizer import Tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v for k, v in load_file(str(source / "model.safetensors")).items()
+    stored = load_file(str(source / "model.safetensors"))
+    dtype = next(iter(stored.values())).dtype
+    tensors = {k: v.to(dtype).contiguous() for k, v in (stored if text is None else text).items()
                if not k.startswith("model.visual.")}
-    dtype = next(iter(tensors.values())).dtype
     tensors |= {f"model.visual.{k}": v.to(dtype).contiguous() for k, v in visual.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())

@@ -13,8 +13,9 @@ size and shrunk, so edges are smooth as in a photo of a drawing.
 
 Train / held-out split: every scene has a key, its parameters rounded (kind, values, centres to 16 px, sizes to
 8 px, angles to 15 degrees, background to 8 levels); a scene is held out when the SHA-256 of its key falls in
-HELDOUT_FRACTION of the hash range. sample() draws scenes until one of the asked split comes, so no held-out
-scene has the key of any training scene: held-out pictures are new arrangements, not new words or kinds.
+HELDOUT_FRACTION of the hash range (a circle's angle is left out: it does not show). sample() draws scenes until
+one of the asked split comes, so no held-out scene has the key of any training scene: held-out pictures are new
+arrangements (a training scene can still be close, across the edge of a rounding cell), not new words or kinds.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class Scene:
         """The rounded parameters that decide the split (see the module docstring)."""
         parts: list[object] = [self.kind, tuple(c // 32 for c in self.background), self.side]
         parts += sorted((i.shape, i.colour, round(i.cx / 16), round(i.cy / 16), round(i.r / 8),
-                         round(i.angle / 15)) for i in self.items)
+                         0 if SHAPES[i.shape][0] == "circle" else round(i.angle / 15)) for i in self.items)
         if self.digit is not None:
             d = self.digit
             parts += [d.value, d.colour, round(d.cx / 16), round(d.cy / 16), round(d.height / 8),
