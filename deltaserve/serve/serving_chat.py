@@ -14,6 +14,7 @@ from deltaserve.engine.async_engine import AsyncEngine, RequestStream
 from deltaserve.engine.detokenizer import stop_holdback
 from deltaserve.engine.image_processor import ImageError
 from deltaserve.engine.media import MediaError, MediaOptions, load_image
+from deltaserve.engine.multimodal import MultiModalError, check_image_limit
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling import SamplingParams
 from deltaserve.serve.chat import MessageParts, image_urls, message_parts, render_chat_prompt
@@ -102,10 +103,10 @@ def _images(engine: AsyncEngine, urls: list[tuple[str, Any]], media: MediaOption
     if core.encoder_cache is None:  # before any fetch: the model could not use them anyway
         raise APIError(400, "this model has no vision tower (its checkpoint has no model.visual.* tensors or no "
                        "vision_config), so it cannot take image_url parts", param="messages")
-    limit = (core.config.limit_mm_per_prompt or {}).get("image")
-    if limit is not None and len(urls) > limit:
-        raise APIError(400, f"the messages have {len(urls)} images, more than the limit of {limit} per prompt "
-                       "(--limit-mm-per-prompt)", param="messages")
+    try:
+        check_image_limit(len(urls), (core.config.limit_mm_per_prompt or {}).get("image"))
+    except MultiModalError as e:
+        raise APIError(400, str(e), param="messages") from e
     images = []
     for where, url in urls:
         try:  # resized and cut into patches here, off the engine's thread
