@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import deltaserve.model.linear as model_linear
 from deltaserve.engine.config import EngineConfig, EngineConfigError
-from deltaserve.model.linear import Linear, store
+from deltaserve.model.linear import Linear, shared_activations, store
+from deltaserve.model.mlp import MLP
 from deltaserve.ops.activation_quant import fake_quantize, linear_reference, quantize_activations
 from deltaserve.ops.formats import WeightFormat, dequantize, quantize
 from deltaserve.ops.fused_ext import load_extension
@@ -155,6 +157,45 @@ def test_the_python_module_and_the_kernel_compute_the_scheme(ext, name: str) -> 
     torch.testing.assert_close(ext.linear(x, [part], "int8"), got, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(exact, x @ dequantize(data, scale, fmt, 100).T, atol=1e-5, rtol=1e-5)
     assert not torch.equal(got, exact)
+
+
+def _stored_linear(k: int, n: int, fmt: WeightFormat, g: torch.Generator) -> Linear:
+    module = Linear(k, n)
+    store(module, fmt)
+    data, scale = quantize(torch.randn(n, k, generator=g), fmt)
+    module.weight.data.copy_(data)
+    if scale is not None:
+        module.weight_scale.data.copy_(scale)
+    module.activation_quantization = "int8"
+    return module
+
+
+def test_sibling_projections_quantize_their_input_once(monkeypatch) -> None:
+    """Projections that read the same x (an MLP's gate and up) quantize it once per group size among them,
+    and compute exactly what each module computes alone."""
+    g = torch.Generator().manual_seed(4)
+    int8, int4 = WeightFormat.of("int8"), WeightFormat.of("int4", 16)
+    a, b, c, d = (_stored_linear(64, 24, f, g) for f in (int8, int4, int8, WeightFormat.of("float32")))
+    x = torch.randn(6, 64, generator=g)
+    calls = []
+
+    def counted(x: torch.Tensor, group: int) -> torch.Tensor:
+        calls.append(group)
+        return fake_quantize(x, group)
+
+    monkeypatch.setattr(model_linear, "fake_quantize", counted)
+    with torch.no_grad():
+        xa, xb, xc, xd = shared_activations(x, a, b, c, d)
+        assert calls == [int8.group, int4.group] and xa is xc and xd is x
+        for module, xm in ((a, xa), (b, xb), (c, xc)):
+            assert torch.equal(xm, fake_quantize(x, module.fmt.group))
+            assert torch.equal(module(x, xm), module(x))
+        mlp = MLP(64, 24)
+        mlp.gate_proj, mlp.up_proj, mlp.down_proj = a, c, _stored_linear(24, 64, int8, g)
+        calls.clear()
+        got = mlp(x)
+        assert calls == [int8.group, int8.group]  # x once for gate and up, then down's input
+        assert torch.equal(got, mlp.down_proj(torch.nn.functional.silu(a(x)) * c(x)))
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])

@@ -328,6 +328,30 @@ def test_fp8_rows_quantize_as_the_reference(ext) -> None:
     assert torch.equal(codes[8, :3].float(), torch.tensor([448.0, 1.0, -1.25]))
 
 
+def test_fp8_codes_widen_as_torch_converts_them(ext) -> None:
+    """Every one of the 256 E4M3 codes, NaNs (0x7f, 0xff) included, widened by the one definition (fp8.h) as
+    both its readers use it: an fp8 weight row (formats.h) and an fp8 KV cache's value row (attention), each
+    against torch's float8_e4m3fn -> float32 conversion. A single cached position with a zero key takes
+    probability 1, so the attention output is its value row times its scale (1)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).float()
+    assert want.isnan().sum() == 2
+    # a weight [256, 16] whose row b holds code b 16 times, times x = e_0: y[0, b] is code b's value
+    weight = codes[:, None].expand(256, 16).contiguous().view(torch.float8_e4m3fn)
+    x = torch.zeros(1, 16)
+    x[0, 0] = 1.0
+    got = ext.linear(x, [(weight, torch.ones(256, 1), "fp8", 16)])
+    torch.testing.assert_close(got[0], want, rtol=0, atol=0, equal_nan=True)
+    # one block of 16 positions, one kv head of 256 dims: position 0's value row holds every code
+    v_cache = torch.zeros(1, 16, 1, 256, dtype=torch.uint8)
+    v_cache[0, 0, 0] = codes
+    k_cache = torch.zeros(1, 1, 256, 16, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scales = (torch.ones(1, 1, 16), torch.ones(1, 16, 1))
+    out = ext.paged_attention(torch.randn(1, 1, 256), k_cache, v_cache.view(torch.float8_e4m3fn),
+                              torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([[0]]), 8 << 20, *scales)
+    torch.testing.assert_close(out[0, 0], want, rtol=0, atol=0, equal_nan=True)
+
+
 # ---- sparse MoE ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rows", [1, 5, 40])
 @pytest.mark.parametrize("values", ["fp32", "bf16", "int4", "zero-router"])

@@ -146,7 +146,7 @@ def test_argmax_checks_agree_with_the_mask(llm) -> None:
     token checked, so the shortcut equals the masked argmax; llguidance's validate_tokens admits tokens its
     mask leaves out, which once made MTP verify rows and plain rows disagree), and the masks computed ahead
     for a batch in one llguidance call equal the ones each matcher computes alone."""
-    from deltaserve.engine.structured import compute_masks_ahead
+    from deltaserve.engine.structured import compute_masks_ahead, refused_rows
 
     kinds = [so for so in _kinds() if so is not None]
     outs = llm.generate([PROMPTS[i % 4] for i in range(len(kinds))], [_params(so) for so in kinds], use_tqdm=False)
@@ -164,11 +164,13 @@ def test_argmax_checks_agree_with_the_mask(llm) -> None:
             assert alone.sync(toks[:i])
             mask = alone.mask()
             assert (m_ahead.mask() == mask).all(), (so, i)
-            # an id that ends the sequence is allowed exactly when the grammar may end
+            # refused_rows (the sampler's check of each greedy row's argmax) refuses a token exactly when the
+            # mask does; an id that ends the sequence is allowed exactly when the grammar may end
             ids = [alone.eos_token_id if t in eos else t for t in range(vocab)]
             raw = alone.matcher.compute_bitmask()  # llguidance's own mask, without the stop ids' rule
-            assert [alone.allows(t) for t in range(vocab)] == [bool((raw[t >> 3] >> (t & 7)) & 1) for t in ids], (so, i)
-            assert all(alone.allows(t) == alone.matcher.is_accepting() for t in eos)
+            refused = refused_rows([mask] * vocab, list(range(vocab)))
+            assert refused == [t for t in range(vocab) if not (raw[ids[t] >> 3] >> (ids[t] & 7)) & 1], (so, i)
+            assert (eos[0] not in refused) == alone.matcher.is_accepting()
 
 
 def test_masks_ahead_only_with_a_spare_core(llm) -> None:

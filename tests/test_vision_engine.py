@@ -178,8 +178,10 @@ def test_abort_mid_image_frees_the_encoder_cache(ckpt):
     engine.add_request("a", {"prompt_token_ids": PROMPT, "multi_modal_data": {"image": PICTURES}}, GREEDY)
     engine.step()  # the chunk ends inside the first image: its encoder output is kept for the next chunk
     assert engine.encoder_cache.outputs and engine.encoder_cache.num_bytes > 0
+    assert engine.encoder_cache.num_cached_tokens == sum(t.shape[0] for t in engine.encoder_cache.outputs.values())
     engine.abort_request("a")
     assert not engine.encoder_cache.outputs and not engine.encoder_cache.prompts
+    assert engine.encoder_cache.num_bytes == engine.encoder_cache.num_cached_tokens == 0  # the running counts too
 
 
 def test_bad_multimodal_inputs_get_errors_that_name_the_problem(hf, ckpt, tmp_path):

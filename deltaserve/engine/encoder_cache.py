@@ -32,8 +32,13 @@ class EncoderCache:
         """bytes_per_token: one merged token's output row (the text width in the activation dtype)."""
         self.capacity_tokens = capacity_tokens
         self.bytes_per_token = bytes_per_token
-        self.prompts: dict[str, MultiModalPrompt] = {}  # request id -> its images and mRoPE positions
+        # request id -> its images and mRoPE positions. The images keep their pixels after encoding: a
+        # preempted request's recomputation encodes them again (drop_outputs), and the inspector draws them.
+        self.prompts: dict[str, MultiModalPrompt] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}  # (request id, image index) -> [n, H]
+        # the outputs' merged tokens and bytes, kept as they come and go (the scheduler reads them every step)
+        self.num_cached_tokens = 0
+        self.num_bytes = 0
         self.num_encoded = 0  # images run through the tower, all steps
         self.num_encoded_tokens = 0  # their merged tokens
         self.max_cached_tokens = 0  # the most merged tokens held at once, all steps (capacity_tokens bounds it)
@@ -49,7 +54,7 @@ class EncoderCache:
     def drop_outputs(self, request_id: str) -> None:
         """The request was preempted: its cache is gone, and so are its encoder outputs."""
         for key in [k for k in self.outputs if k[0] == request_id]:
-            del self.outputs[key]
+            self._drop(key)
 
     def release_done(self, request_id: str, num_computed_tokens: int) -> None:
         """Drop the outputs of images whose every token is now in the KV/GDN cache."""
@@ -57,8 +62,13 @@ class EncoderCache:
         if prompt is None:
             return
         for i, image in enumerate(prompt.images):
-            if image.end <= num_computed_tokens:
-                self.outputs.pop((request_id, i), None)
+            if image.end <= num_computed_tokens and (request_id, i) in self.outputs:
+                self._drop((request_id, i))
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        out = self.outputs.pop(key)
+        self.num_cached_tokens -= out.shape[0]
+        self.num_bytes -= out.numel() * out.element_size()
 
     def clip_to_budget(self, request_id: str, start: int, n: int, budget: int, spent: int) -> tuple[int, int]:
         """The scheduler's encoder budget: a chunk [start, start+n) must encode every image it reaches that
@@ -84,17 +94,8 @@ class EncoderCache:
         return n, cost
 
     @property
-    def num_cached_tokens(self) -> int:
-        """Merged tokens held now."""
-        return sum(t.shape[0] for t in self.outputs.values())
-
-    @property
     def capacity_bytes(self) -> int:
         return self.capacity_tokens * self.bytes_per_token
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.outputs.values())
 
     def embeddings_for(
         self, spans: list[tuple[str, int, int, int]], encode: Encoder
@@ -119,6 +120,8 @@ class EncoderCache:
             merged = encode(torch.cat([todo[k].pixel_values for k in keys]), [todo[k].grid for k in keys])
             for key, part in zip(keys, merged.split([todo[k].num_tokens for k in keys]), strict=True):
                 self.outputs[key] = part
+                self.num_cached_tokens += part.shape[0]
+                self.num_bytes += part.numel() * part.element_size()
             self.num_encoded += len(keys)
             self.num_encoded_tokens += merged.shape[0]
             self.max_cached_tokens = max(self.max_cached_tokens, self.num_cached_tokens)

@@ -40,6 +40,14 @@ class MultiModalPrompt:
     delta: int  # generated token i sits at position i + delta on every row
 
 
+def check_image_limit(count: int, limit: int | None) -> None:
+    """limit_mm_per_prompt's image limit (None: none) for a prompt of `count` images; the server checks it before
+    fetching any, build_multimodal_prompt for every prompt."""
+    if limit is not None and count > limit:
+        raise MultiModalError(f"the prompt has {count} images, more than the limit of {limit} per prompt "
+                              "(--limit-mm-per-prompt)")
+
+
 def build_multimodal_prompt(
     ids: list[int], images: list[Any], vision: VisionConfig | None, processor: ImageProcessor | None,
     limit: int | None = None,
@@ -49,9 +57,7 @@ def build_multimodal_prompt(
     if vision is None or processor is None:
         raise MultiModalError("this model has no vision tower (no vision_config / model.visual.* tensors), "
                               "so it cannot take images")
-    if limit is not None and len(images) > limit:
-        raise MultiModalError(f"the prompt has {len(images)} images, more than the limit of {limit} per prompt "
-                              "(--limit-mm-per-prompt)")
+    check_image_limit(len(images), limit)
     processed = [im if isinstance(im, ProcessedImage) else processor(im) for im in images]
     pad = vision.image_token_id
     runs = _runs(ids, pad)

@@ -233,12 +233,6 @@ class GrammarMatcher:
         self.tokens.extend(new[:taken])
         return taken == len(new)
 
-    def allows(self, token: int) -> bool:
-        """Whether the mask at the matcher's position allows `token` (an id that ends the sequence: whether
-        the grammar may end). The mask, not validate_tokens: llguidance's validate_tokens admits some tokens
-        its mask leaves out, and every path must agree with the masked argmax."""
-        return bool((int(self.mask()[token >> 5]) >> (token & 31)) & 1)
-
     def mask(self) -> np.ndarray:
         """The next-token bitmask at the matcher's position (int32 words, llguidance's layout, stop ids
         allowed as the grammar's end token is), computed once per position (compute_masks_ahead computes it

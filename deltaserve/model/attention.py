@@ -10,7 +10,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.layers import RMSNorm, RotaryEmbedding
-from deltaserve.model.linear import Linear
+from deltaserve.model.linear import Linear, shared_activations
 from deltaserve.model.parallel import SINGLE, Shard
 from deltaserve.ops.attention import decode_attention, prefill_attention, write_kv
 
@@ -39,10 +39,11 @@ class GatedAttention(nn.Module):
         T = x.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         # Per head: the first hd outputs are the query, the next hd the gate.
-        q, gate = self.q_proj(x).view(T, nh, 2 * hd).split(hd, dim=-1)
+        xq, xk, xv = shared_activations(x, self.q_proj, self.k_proj, self.v_proj)
+        q, gate = self.q_proj(x, xq).view(T, nh, 2 * hd).split(hd, dim=-1)
         q = rope(self.q_norm(q), cos, sin)
-        k = rope(self.k_norm(self.k_proj(x).view(T, nkv, hd)), cos, sin)
-        v = self.v_proj(x).view(T, nkv, hd)
+        k = rope(self.k_norm(self.k_proj(x, xk).view(T, nkv, hd)), cos, sin)
+        v = self.v_proj(x, xv).view(T, nkv, hd)
         if ctx.trace is not None:
             ctx.trace.attention(self, q, k, v, gate)
         out = self._attend(q, k, v, ctx)  # [T, nh, hd]

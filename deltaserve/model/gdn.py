@@ -13,7 +13,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.layers import GatedRMSNorm
-from deltaserve.model.linear import Linear
+from deltaserve.model.linear import Linear, shared_activations
 from deltaserve.model.parallel import SINGLE, Shard
 from deltaserve.ops.conv import causal_conv1d, causal_conv1d_step
 from deltaserve.ops.delta_rule import delta_rule_chunked, delta_rule_recurrent, delta_rule_step
@@ -52,10 +52,11 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.in_proj_qkv(x)  # [T, conv_dim]
-        z = self.in_proj_z(x).view(T, self.num_v_heads, self.head_v_dim)
-        beta = self.in_proj_b(x).float().sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        x_qkv, x_z, x_b, x_a = shared_activations(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        qkv = self.in_proj_qkv(x, x_qkv)  # [T, conv_dim]
+        z = self.in_proj_z(x, x_z).view(T, self.num_v_heads, self.head_v_dim)
+        beta = self.in_proj_b(x, x_b).float().sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x, x_a).float() + self.dt_bias.float())
         weight = self.conv1d.weight[:, 0, :]  # [conv_dim, K]
         if ctx.trace is not None:
             ctx.trace.gdn(self, qkv, z, g, beta)

@@ -18,7 +18,8 @@ from torch import nn
 from deltaserve.ops.activation_quant import fake_quantize, reads_int8_activations, resolve_activation_quantization
 from deltaserve.ops.formats import WeightFormat, dequantize, dequantize_rows
 
-__all__ = ["Embedding", "Linear", "StoredWeights", "WeightPolicy", "quantizable", "scale_name", "store", "tie"]
+__all__ = ["Embedding", "Linear", "StoredWeights", "WeightPolicy", "quantizable", "scale_name", "shared_activations",
+           "store", "tie"]
 
 _DTYPE_FORMATS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -103,13 +104,28 @@ class Linear(StoredWeights):
     def logical_shape(self, name: str = "weight") -> tuple[int, int]:
         return self.out_features, self.in_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, activations: torch.Tensor | None = None) -> torch.Tensor:
+        """activations: self.activations(x) where the caller has it already (shared_activations)."""
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(self.activations(x), self.weight_values("weight", x.dtype), bias)
+        xa = self.activations(x) if activations is None else activations
+        return F.linear(xa, self.weight_values("weight", x.dtype), bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"format={self.fmt.name}")
+
+
+def shared_activations(x: torch.Tensor, *modules: StoredWeights) -> list[torch.Tensor]:
+    """Each module's activations(x) for projections that read the same x (q / k / v, gate / up, ...): x is
+    quantized once per group size among them, not once per module (the very tensors each would compute)."""
+    by_group: dict[int | None, torch.Tensor] = {}
+    out = []
+    for m in modules:
+        group = m.fmt.group if reads_int8_activations(m.activation_quantization, m.fmt) else None
+        if group not in by_group:
+            by_group[group] = m.activations(x)
+        out.append(by_group[group])
+    return out
 
 
 class Embedding(StoredWeights):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltaserve.model.linear import Linear
+from deltaserve.model.linear import Linear, shared_activations
 from deltaserve.model.parallel import SINGLE, Shard
 
 
@@ -20,4 +20,5 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.shard.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        x_gate, x_up = shared_activations(x, self.gate_proj, self.up_proj)
+        return self.shard.all_reduce(self.down_proj(F.silu(self.gate_proj(x, x_gate)) * self.up_proj(x, x_up)))

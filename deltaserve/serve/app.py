@@ -28,7 +28,7 @@ from deltaserve.engine.media import MediaOptions
 from deltaserve.inspect.routes import FAVICON
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling import SamplingParams
-from deltaserve.serve.chat import image_urls
+from deltaserve.serve.chat import image_urls, message_parts
 from deltaserve.serve.chat_tools import ToolConfig
 from deltaserve.serve.errors import APIError, error_response, from_api_error, param_of, status_phrase
 from deltaserve.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -125,8 +125,9 @@ def build_app(
         check_model(body.model)
         rules.check(body)
         # Fetching and decoding images never runs on the event loop, however small the body.
-        offload = bool(image_urls(body.messages))
-        prep = await _prepare(raw, prepare_chat, async_engine, body, tool_config, rules, options.media,
+        parts = message_parts(body.messages)  # checked once, here, and used by prepare_chat
+        offload = bool(image_urls(parts))
+        prep = await _prepare(raw, prepare_chat, async_engine, body, tool_config, rules, options.media, parts,
                               offload=offload)
         prompt_logprobs = None
         if body.prompt_logprobs is not None:

@@ -24,20 +24,18 @@ def _parts(content: list[dict[str, Any]], index: int) -> list[tuple[str, Any]]:
     return parts
 
 
-def _text_of(content: str | list[dict[str, Any]] | None, index: int) -> str | None:
-    if content is None or isinstance(content, str):
-        return content
-    return render_parts(_parts(content, index))
+# Each message's content parts, checked (None where the content is a string or absent): parsed once per request.
+MessageParts = list[list[tuple[str, Any]] | None]
 
 
-def image_urls(messages: list[ChatMessage]) -> list[tuple[str, Any]]:
+def message_parts(messages: list[ChatMessage]) -> MessageParts:
+    return [_parts(m.content, i) if isinstance(m.content, list) else None for i, m in enumerate(messages)]
+
+
+def image_urls(parts: MessageParts) -> list[tuple[str, Any]]:
     """(where, url) of every image part, in the order their placeholders appear in the prompt."""
-    urls = []
-    for i, m in enumerate(messages):
-        if isinstance(m.content, list):
-            parts = _parts(m.content, i)
-            urls += [(f"messages[{i}].content[{j}]", url) for j, (kind, url) in enumerate(parts) if kind == "image_url"]
-    return urls
+    return [(f"messages[{i}].content[{j}]", url) for i, message in enumerate(parts) for j, (kind, url)
+            in enumerate(message or []) if kind == "image_url"]
 
 
 def render_chat_prompt(
@@ -46,15 +44,18 @@ def render_chat_prompt(
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    parts: MessageParts | None = None,
 ) -> str:
+    """parts: message_parts(messages) where the caller has them already."""
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    parts = message_parts(messages) if parts is None else parts
     convo = []
-    for i, m in enumerate(messages):
+    for m, content in zip(messages, parts, strict=True):
         d = m.model_dump(exclude_none=True)
         if d["role"] == "developer":  # OpenAI's newer name for system; most checkpoints' templates know only system
             d["role"] = "system"
-        d["content"] = _text_of(m.content, i) or ""
+        d["content"] = (render_parts(content) if content is not None else m.content) or ""
         convo.append(d)
     kwargs = dict(chat_template_kwargs or {})
     thinking = kwargs.get("enable_thinking")

@@ -14,9 +14,10 @@ from deltaserve.engine.async_engine import AsyncEngine, RequestStream
 from deltaserve.engine.detokenizer import stop_holdback
 from deltaserve.engine.image_processor import ImageError
 from deltaserve.engine.media import MediaError, MediaOptions, load_image
+from deltaserve.engine.multimodal import MultiModalError, check_image_limit
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling import SamplingParams
-from deltaserve.serve.chat import image_urls, render_chat_prompt
+from deltaserve.serve.chat import MessageParts, image_urls, message_parts, render_chat_prompt
 from deltaserve.serve.chat_tools import ToolConfig, ToolPlan, plan_tools
 from deltaserve.serve.errors import APIError
 from deltaserve.serve.logprobs import chat_logprobs, prompt_logprobs_field
@@ -60,9 +61,11 @@ class PreparedChat:
 
 def prepare_chat(
     engine: AsyncEngine, req: ChatCompletionRequest, tool_config: ToolConfig | None = None,
-    rules: RequestRules | None = None, media: MediaOptions | None = None,
+    rules: RequestRules | None = None, media: MediaOptions | None = None, parts: MessageParts | None = None,
 ) -> PreparedChat:
-    """Template, tokenize, fetch the images and check one request: run it off the event loop."""
+    """Template, tokenize, fetch the images and check one request: run it off the event loop. parts:
+    message_parts(req.messages) where the caller has them already."""
+    parts = message_parts(req.messages) if parts is None else parts
     if req.stream and req.prompt_logprobs is not None:
         raise APIError(400, "prompt_logprobs is not supported with stream on chat completions; use "
                        "stream: false or /v1/completions", param="prompt_logprobs")
@@ -74,7 +77,7 @@ def prepare_chat(
     if tools.structured is not None:
         structured, field = tools.structured, "tools"
     prompt = render_chat_prompt(
-        engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools
+        engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools, parts
     )
     thinking = thinking_open(prompt)
     if rules is not None:
@@ -86,22 +89,21 @@ def prepare_chat(
             structured = dataclasses.replace(structured, reasoning_end=THINK_END)
         check_compiles(engine, structured, field)
         params.structured_outputs = structured
-    images = _images(engine, req, media or MediaOptions())
+    images = _images(engine, image_urls(parts), media or MediaOptions())
     return PreparedChat(random_id("chatcmpl"), prompt, ids, params, thinking, tools, images)
 
 
-def _images(engine: AsyncEngine, req: ChatCompletionRequest, media: MediaOptions) -> list[Any]:
-    urls = image_urls(req.messages)
+def _images(engine: AsyncEngine, urls: list[tuple[str, Any]], media: MediaOptions) -> list[Any]:
     if not urls:
         return []
     core = engine.engine
     if core.encoder_cache is None:  # before any fetch: the model could not use them anyway
         raise APIError(400, "this model has no vision tower (its checkpoint has no model.visual.* tensors or no "
                        "vision_config), so it cannot take image_url parts", param="messages")
-    limit = (core.config.limit_mm_per_prompt or {}).get("image")
-    if limit is not None and len(urls) > limit:
-        raise APIError(400, f"the messages have {len(urls)} images, more than the limit of {limit} per prompt "
-                       "(--limit-mm-per-prompt)", param="messages")
+    try:
+        check_image_limit(len(urls), (core.config.limit_mm_per_prompt or {}).get("image"))
+    except MultiModalError as e:
+        raise APIError(400, str(e), param="messages") from e
     images = []
     for where, url in urls:
         try:  # resized and cut into patches here, off the engine's thread

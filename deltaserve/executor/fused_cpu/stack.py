@@ -36,19 +36,6 @@ from deltaserve.ops.fused_ext import load_extension
 __all__ = ["FusedMTP", "FusedTrunk", "supported"]
 
 
-def weight_format(module: torch.nn.Module) -> WeightFormat:
-    """The format of a projection's (or the experts') stored weight: its `.fmt` (deltaserve/model/linear.py),
-    else the one its dtype names (an nn.Linear of float32 or bfloat16 weights)."""
-    fmt = getattr(module, "fmt", None)
-    if fmt is not None:
-        return fmt
-    weight = module.weight if hasattr(module, "weight") else module.gate_up_proj
-    names = {WeightFormat.of(name).data_dtype: name for name in ("float32", "bfloat16")}
-    if weight.dtype not in names:
-        raise ValueError(f"a {weight.dtype} weight without a .fmt: its format is not known")
-    return WeightFormat.of(names[weight.dtype])
-
-
 class _Weights(dict):
     """Tensors by the names FusedStack's constructor reads, the group size of each quantized format they
     hold (one per format in a stack: the C++ takes them as dims), and whether their int8 / int4 weights read
@@ -80,7 +67,7 @@ class _Weights(dict):
         """Each part's stored weight as `name` (= "P.weight") and its scales as `name`_scale: the model's
         tensors themselves, in their formats."""
         for name, module in parts.items():
-            fmt = weight_format(module)
+            fmt = module.fmt  # a StoredWeights (deltaserve/model/linear.py)
             self.add_format(fmt, name, getattr(module, "activation_quantization", "none"))
             self[name] = module.weight.detach()
             scale = getattr(module, "weight_scale", None)
@@ -89,7 +76,7 @@ class _Weights(dict):
 
     def add_experts(self, experts: torch.nn.Module, prefix: str) -> None:
         """The experts' 3-D tensors [E, N, K'] (expert e's weight is row block e) and their scales."""
-        fmt = weight_format(experts)
+        fmt = experts.fmt
         for name in ("gate_up_proj", "down_proj"):
             self.add_format(fmt, f"{prefix}.{name}", getattr(experts, "activation_quantization", "none"))
             self[f"{prefix}.{name}"] = getattr(experts, name).detach()
@@ -185,7 +172,7 @@ def _add_embedding(head: _Weights, embed: torch.nn.Module, lm_head: torch.nn.Mod
     weight = embed.weight.detach()
     fmt = getattr(embed, "fmt", None)
     if fmt is None and weight.untyped_storage().data_ptr() == lm_head.weight.untyped_storage().data_ptr():
-        fmt = weight_format(lm_head)  # tied: the head's rows, in its format
+        fmt = lm_head.fmt  # tied: the head's rows, in its format
         embed = lm_head
     if fmt is not None:
         head.add_projection({"embed_tokens.weight": embed})

@@ -47,9 +47,7 @@ Linear linear_of(const std::vector<PartSpec>& parts, int64_t K, const std::strin
   TORCH_CHECK(!parts.empty(), "parts: at least one");
   std::vector<WeightPart> out;
   for (size_t i = 0; i < parts.size(); ++i) out.push_back(part_of_spec(parts[i], K, "part " + std::to_string(i)));
-  Linear l = make_linear(std::move(out));
-  l.int8_activations = int8_activations(activation_quantization);
-  return l;
+  return make_linear(std::move(out), int8_activations(activation_quantization));
 }
 
 at::Tensor linear_alone(const at::Tensor& x, const std::vector<PartSpec>& parts,
@@ -229,8 +227,8 @@ at::Tensor moe_alone(const at::Tensor& h, const std::vector<PartSpec>& router_sh
   w.shared_down = linear_of({shared_down}, Is, activation_quantization);
   for (auto [spec, K, out] : {std::tuple{&gate_up, H, &w.gate_up}, {&down, I, &w.down}}) {
     const auto& [data, scale, format, group] = *spec;
-    *out = expert_linears(data, scale.value_or(at::Tensor()), format_named(format), group, K, "experts");
-    for (Linear& l : *out) l.int8_activations = int8_activations(activation_quantization);
+    *out = expert_linears(data, scale.value_or(at::Tensor()), format_named(format), group, K,
+                          int8_activations(activation_quantization), "experts");
   }
   return moe_mlp(MoeDims{E, top_k, I, Is, norm_topk}, w, h, nullptr);
 }

@@ -6,10 +6,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -18,6 +16,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include "fp8.h"
 
 namespace deltaserve {
 
@@ -50,16 +50,6 @@ inline float bf16_to_float(uint16_t v) {
   return f;
 }
 
-// Every E4M3 byte's value (the portable path's widening; c10's conversion, the one torch's .float() uses).
-inline const std::array<float, 256>& fp8_values() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int b = 0; b < 256; ++b) t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
-    return t;
-  }();
-  return table;
-}
-
 // Scale number `at` of a quantized part (row r's group g: at = r * groups + g), in fp32.
 inline float scale_by_index(const WeightPart& p, const void* scales, int64_t at) {
   return p.format == Format::kFp8 ? static_cast<const float*>(scales)[at]
@@ -88,7 +78,7 @@ inline void widen_scalar(const WeightPart& p, const uint8_t* data, const void* s
         v = bf16_to_float(h);
         break;
       }
-      case Format::kFp8: v = fp8_values()[r[k]]; break;
+      case Format::kFp8: v = widen_fp8(r[k]) * kFp8Unit; break;  // exact
       case Format::kInt8: v = static_cast<float>(static_cast<int8_t>(r[k])); break;
       case Format::kInt4: v = static_cast<float>(((r[k / 2] >> (4 * (k % 2))) & 0x0F) - 8); break;
     }
@@ -134,16 +124,9 @@ inline __m512 widen16(const uint8_t* row_data, int64_t k0, __mmask16 valid, __m5
                                           _mm256_slli_epi32(_mm256_srli_epi32(b, 4), 16));
     const __m512i q = _mm512_sub_epi32(_mm512_cvtepu16_epi32(pairs), _mm512_set1_epi32(8));
     return _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(valid, q), scale);
-  } else {  // fp8 E4M3: s eeee mmm -> the fp16 s 0eeee mmm0000000 is the value / 2^8 (subnormals included)
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(valid, row_data + k0));
-    const __m256i magnitude = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
-    const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-                                         _mm256_slli_epi16(magnitude, 7));
-    const __m512 v = _mm512_cvtph_ps(half);  // exact
-    const __mmask16 nan = _mm256_cmpeq_epi16_mask(magnitude, _mm256_set1_epi16(0x7F));  // E4M3FN's only NaN
+  } else {  // fp8 E4M3 (fp8.h): the value / 2^8, NaN codes NaN
     // times (scale x 2^8): the same one rounding as value x scale (2^8 is exact; no overflow at these scales)
-    const __m512 w = _mm512_mul_ps(v, _mm512_mul_ps(scale, _mm512_set1_ps(256.0f)));
-    return _mm512_mask_mov_ps(w, nan, _mm512_set1_ps(NAN));
+    return _mm512_mul_ps(widen_fp8x16(row_data + k0, valid), _mm512_mul_ps(scale, _mm512_set1_ps(kFp8Unit)));
   }
 }
 #endif

@@ -65,8 +65,9 @@ WeightPart make_part(const at::Tensor& data, const at::Tensor& scale, Format for
   return p;
 }
 
-Linear make_linear(std::vector<WeightPart> parts) {
+Linear make_linear(std::vector<WeightPart> parts, bool int8_activations) {
   Linear l;
+  l.int8_activations = int8_activations;
   TORCH_CHECK(!parts.empty(), "a projection needs at least one part");
   l.K = parts[0].K;
   for (const WeightPart& p : parts) {

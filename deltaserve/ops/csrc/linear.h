@@ -24,8 +24,9 @@ struct Linear {
   bool defined() const { return N > 0; }
 };
 
-// The Linear of these parts (make_part checked each; all of K inputs).
-Linear make_linear(std::vector<WeightPart> parts);
+// The Linear of these parts (make_part checked each; all of K inputs); int8_activations: whether its int8 /
+// int4 parts read int8 activations.
+Linear make_linear(std::vector<WeightPart> parts, bool int8_activations);
 
 // Outputs are computed 64 at a time (a "panel": what a thread takes, what the argmax and the greedy screen
 // reduce over).

@@ -97,9 +97,7 @@ class NamedTensors {
   Linear projection(const std::vector<std::pair<std::string, int64_t>>& parts, int64_t K, const Dims& d) {
     std::vector<WeightPart> weights;
     for (const auto& [name, rows] : parts) weights.push_back(weight(name, rows, K, d));
-    Linear l = make_linear(std::move(weights));
-    l.int8_activations = d.int8_activations;
-    return l;
+    return make_linear(std::move(weights), d.int8_activations);
   }
 
   bool has(const std::string& name) const { return tensors_.count(name) != 0; }
@@ -179,8 +177,7 @@ MoeWeights take_moe(NamedTensors& w, const Dims& d) {
     Format format;
     const auto [experts, scales] = w.stored(name, {E, N}, K, format);
     (N == H ? out.down : out.gate_up) = expert_linears(experts, scales, format, d.group(format), K,
-                                                       "FusedStack: " + w.where() + name);
-    for (Linear& l : N == H ? out.down : out.gate_up) l.int8_activations = d.int8_activations;
+                                                       d.int8_activations, "FusedStack: " + w.where() + name);
   }
   return out;
 }
@@ -268,8 +265,8 @@ FusedStack::FusedStack(std::map<std::string, int64_t> dims, double eps, std::map
                                 {"self_attn.k_proj.weight", kv_rows},
                                 {"self_attn.v_proj.weight", kv_rows}},
                                H, d_);
-      l.a.kv_w = make_linear({l.a.qkv_w.parts[1], l.a.qkv_w.parts[2]});  // k | v alone, the same tensors
-      l.a.kv_w.int8_activations = l.a.qkv_w.int8_activations;
+      // k | v alone, the same tensors
+      l.a.kv_w = make_linear({l.a.qkv_w.parts[1], l.a.qkv_w.parts[2]}, l.a.qkv_w.int8_activations);
       l.a.q_scale = w.take("self_attn.q_norm.scale", {d_.hd});
       l.a.k_scale = w.take("self_attn.k_norm.scale", {d_.hd});
       l.a.o_w = w.projection({{"self_attn.o_proj.weight", H}}, d_.nh * d_.hd, d_);
