@@ -4,6 +4,11 @@ alone (the extension's moe_mlp and linear): the whole block, then its parts one 
 the same active width (8 x 256 + 256 = 2304).
 
     .venv/bin/python benchmarks/profile_moe.py [--formats bf16,int8,int4] [--threads 1] [--repeats 200]
+        [--checkout DIR] [--json]
+
+int8 and int4 read int8 activations (the engine's default for them: activation_quantization "int8").
+--checkout DIR profiles another checkout's extension (DIR's deltaserve; give it its own TORCH_EXTENSIONS_DIR),
+--json prints the medians as one JSON line: benchmarks/ab_moe.py alternates two checkouts this way.
 
 Parts: the router with the shared expert's gate / up and its gate (one fused projection, as the stack holds
 them), the shared expert's down projection, and the 8 chosen experts' gate|up and down projections called one
@@ -14,6 +19,7 @@ the weighted sum. Median microseconds of --repeats calls each, the parts interle
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -23,8 +29,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+if "--checkout" in sys.argv:  # (before the imports below: they take deltaserve from there)
+    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--checkout") + 1]).resolve()))
+else:
+    sys.path.insert(0, str(ROOT))
 
 from bench_moe import DENSE_WIDTH, EXPERTS, HIDDEN  # noqa: E402
 
@@ -32,6 +41,7 @@ from deltaserve.ops.formats import WeightFormat, quantize  # noqa: E402
 from deltaserve.ops.fused_ext import load_extension  # noqa: E402
 
 STORED = {"bf16": "bfloat16", "int8": "int8", "int4": "int4"}
+ACTIVATIONS = {"bf16": "none", "int8": "int8", "int4": "int8"}
 
 
 def stored(w: torch.Tensor, fmt: WeightFormat) -> tuple:
@@ -50,6 +60,7 @@ def profile(ext, fmt_name: str, repeats: int) -> dict[str, float]:
     H, E, k = HIDDEN, EXPERTS["num_experts"], EXPERTS["num_experts_per_tok"]
     I, Is = EXPERTS["moe_intermediate_size"], EXPERTS["shared_expert_intermediate_size"]
     fmt = WeightFormat.of(STORED[fmt_name])
+    aq = ACTIVATIONS[fmt_name]
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * 0.02
@@ -65,19 +76,19 @@ def profile(ext, fmt_name: str, repeats: int) -> dict[str, float]:
     dense_act = torch.randn(1, DENSE_WIDTH, generator=g)
 
     def dense() -> None:
-        ext.linear(x, [dense_gate_up])
-        ext.linear(dense_act, [dense_down])
+        ext.linear(x, [dense_gate_up], aq)
+        ext.linear(dense_act, [dense_down], aq)
 
     calls: dict[str, Callable[[], object]] = {
-        "MoE block (moe_mlp)": lambda: ext.moe_mlp(x, router_shared, shared_down, gate_up, down, k, True),
+        "MoE block (moe_mlp)": lambda: ext.moe_mlp(x, router_shared, shared_down, gate_up, down, k, True, aq),
         # The binding wraps all E experts' weights on every call (the stack does it once, at load): the same
         # call on 0 rows is that, and is taken out of the block below.
         "binding's setup (moe_mlp on 0 rows)": lambda: ext.moe_mlp(x[:0], router_shared, shared_down, gate_up, down,
-                                                                  k, True),
-        "router + shared gate/up projection": lambda: ext.linear(x, router_shared),
-        "shared down projection": lambda: ext.linear(shared_act, [shared_down]),
-        f"{k} experts' gate|up projections": lambda: [ext.linear(x, [part(gate_up, e)]) for e in chosen],
-        f"{k} experts' down projections": lambda: [ext.linear(act, [part(down, e)]) for e in chosen],
+                                                                  k, True, aq),
+        "router + shared gate/up projection": lambda: ext.linear(x, router_shared, aq),
+        "shared down projection": lambda: ext.linear(shared_act, [shared_down], aq),
+        f"{k} experts' gate|up projections": lambda: [ext.linear(x, [part(gate_up, e)], aq) for e in chosen],
+        f"{k} experts' down projections": lambda: [ext.linear(act, [part(down, e)], aq) for e in chosen],
         f"dense MLP (width {DENSE_WIDTH}): gate|up + down": dense,
     }
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -101,10 +112,15 @@ def main() -> None:
     ap.add_argument("--formats", type=lambda s: s.split(","), default=list(STORED))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--checkout", help="profile this checkout's extension (see above)")
+    ap.add_argument("--json", action="store_true", help="print {format: {part: median us}} as one JSON line")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ext = load_extension()
     columns = {fmt: profile(ext, fmt, args.repeats) for fmt in args.formats}
+    if args.json:
+        print(json.dumps(columns))
+        return
     rows = list(next(iter(columns.values())))
     print(f"median microseconds per call, 1 row, {args.threads} thread(s)\n")
     print("| part | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))

@@ -233,6 +233,13 @@ at::Tensor moe_alone(const at::Tensor& h, const std::vector<PartSpec>& router_sh
   return moe_mlp(MoeDims{E, top_k, I, Is, norm_topk}, w, h, nullptr);
 }
 
+// moe_mlp's routing of router logits [T, E]: expert ids and weights [T, top_k] (moe.h moe_route_fast).
+std::pair<at::Tensor, at::Tensor> moe_route_alone(const at::Tensor& logits, int64_t top_k, bool norm_topk) {
+  check_float(logits, "logits", 2);
+  TORCH_CHECK(top_k > 0 && top_k <= logits.size(1), "top_k: 1 .. E");
+  return moe_route_fast(MoeDims{logits.size(1), top_k, 0, 0, norm_topk}, logits);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -279,6 +286,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("h"), pybind11::arg("router_shared"), pybind11::arg("shared_down"), pybind11::arg("gate_up"),
         pybind11::arg("down"), pybind11::arg("top_k"), pybind11::arg("norm_topk"),
         pybind11::arg("activation_quantization") = "none");
+  m.def("moe_route", &moe_route_alone, "moe_mlp's routing of router logits [T, E]: (expert ids, weights) [T, k]",
+        pybind11::arg("logits"), pybind11::arg("top_k"), pybind11::arg("norm_topk"));
   m.def("paged_attention", &attention_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "out [T, nh, hd]: each query token's attention over its sequence's cached positions 0 .. positions[t] "
         "(an fp8 cache with its k_scale and v_scale)",

@@ -504,28 +504,27 @@ void project_panel(const Linear& l, const float* x, int64_t rows, int64_t n0, in
   packed_panel(l, x, 0, rows, n0, ncols, tile.data(), out, ldo);
 }
 
-at::Tensor apply(const Linear& l, const at::Tensor& x, int64_t* argmax) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == l.K,
-              "projection: x must be contiguous float32 [T, ", l.K, "]");
-  const int64_t T = x.size(0), K = l.K, N = l.N, P = (N + kPanel - 1) / kPanel;
-  at::Tensor y = argmax == nullptr ? at::empty({T, N}, x.options()) : at::Tensor();
-  if (T == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  float* yp = argmax == nullptr ? y.data_ptr<float>() : nullptr;
+namespace {
+
+// Rows [R0, R1) of x (rows of K floats) through l: row r into yp's row r - R0 (N floats each) or, with argmax
+// (yp null), its best column into argmax[r - R0]. int8_rows: x's rows quantized for l's int8-activation parts
+// (row r of them is row r of x), or empty when l has none. Threads split the panels.
+void project_rows(const Linear& l, const float* xp, int64_t R0, int64_t R1, const ActivationRows& int8_rows,
+                  float* yp, int64_t* argmax) {
+  const int64_t T = R1 - R0, K = l.K, N = l.N, P = (N + kPanel - 1) / kPanel;
+  if (T <= 0) return;
   const bool packed = packed_rows(T);
-  // x quantized once for the int8-activation parts (linear_int.h), if l has any: they run its integer kernel
-  const ActivationRows int8_rows = quantize_activations(l, xp, T);
   const int64_t block = packed || int8_rows.defined() ? kRowBlock : T;  // rows per pass over the weights
   std::vector<float> best_value(argmax == nullptr ? 0 : T * P);  // [T, P]: each row's best in each panel
   std::vector<int64_t> best_column(best_value.size());
-  for (int64_t r0 = 0; r0 < T; r0 += block) {
-    const int64_t r1 = std::min(T, r0 + block);
+  for (int64_t r0 = R0; r0 < R1; r0 += block) {
+    const int64_t r1 = std::min(R1, r0 + block);
     at::parallel_for(0, P, grain_for((r1 - r0) * K * kPanel), [&](int64_t p0, int64_t p1) {
       std::vector<float> tile;
       std::vector<float> local(yp == nullptr ? (r1 - r0) * kPanel : 0);  // the panel's outputs, for argmax
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * kPanel, ncols = std::min(kPanel, N - n0);
-        float* out = yp != nullptr ? yp + r0 * N + n0 : local.data();
+        float* out = yp != nullptr ? yp + (r0 - R0) * N + n0 : local.data();
         const int64_t ldo = yp != nullptr ? N : kPanel;
         if (int8_rows.defined()) {
           int_panel(l, int8_rows, xp, r0, r1, n0, ncols, packed, tile, out, ldo);
@@ -534,19 +533,40 @@ at::Tensor apply(const Linear& l, const at::Tensor& x, int64_t* argmax) {
         }
         for (int64_t r = 0; yp == nullptr && r < r1 - r0; ++r) {
           const int64_t at = first_argmax(out + r * kPanel, ncols);
-          best_value[(r0 + r) * P + p] = out[r * kPanel + at];
-          best_column[(r0 + r) * P + p] = n0 + at;
+          best_value[(r0 - R0 + r) * P + p] = out[r * kPanel + at];
+          best_column[(r0 - R0 + r) * P + p] = n0 + at;
         }
       }
     });
   }
-  if (argmax == nullptr) return y;
+  if (argmax == nullptr) return;
   for (int64_t t = 0; t < T; ++t) {
     int64_t at = 0;
     for (int64_t p = 1; p < P; ++p) at = beats(best_value[t * P + p], best_value[t * P + at]) ? p : at;
     argmax[t] = best_column[t * P + at];
   }
-  return at::Tensor();
+}
+
+}  // namespace
+
+at::Tensor apply(const Linear& l, const at::Tensor& x, int64_t* argmax) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == l.K,
+              "projection: x must be contiguous float32 [T, ", l.K, "]");
+  const int64_t T = x.size(0);
+  at::Tensor y = argmax == nullptr ? at::empty({T, l.N}, x.options()) : at::Tensor();
+  if (T == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  // x quantized once for the int8-activation parts (linear_int.h), if l has any: they run its integer kernel
+  const ActivationRows int8_rows = quantize_activations(l, xp, T);
+  project_rows(l, xp, 0, T, int8_rows, argmax == nullptr ? y.data_ptr<float>() : nullptr, argmax);
+  return argmax == nullptr ? y : at::Tensor();
+}
+
+void apply_rows(const Linear& l, const float* x, int64_t r0, int64_t r1, const ActivationRows& int8_rows, float* y) {
+  TORCH_CHECK(int8_rows.defined() || std::none_of(l.parts.begin(), l.parts.end(), [&](const WeightPart& p) {
+    return reads_int8_activations(l, p);
+  }), "apply_rows: a projection with int8 activations needs its rows quantized");
+  project_rows(l, x, r0, r1, int8_rows, y, nullptr);
 }
 
 }  // namespace deltaserve

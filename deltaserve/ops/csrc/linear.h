@@ -49,6 +49,13 @@ constexpr int64_t kRowBlock = 128;  // rows of x (x K floats, 512 KB at K = 1024
 // -- greedy sampling without writing (and reading back) T x vocab logits. Threads split the panels.
 at::Tensor apply(const Linear& l, const at::Tensor& x, int64_t* argmax = nullptr);
 
+struct ActivationRows;  // linear_int.h
+
+// apply() without a tensor: y [r1 - r0, N] = rows [r0, r1) of x (rows of K floats) @ w^T, the same sums.
+// int8_rows: x's rows quantized for l's int8-activation parts (quantize_activations_into; its row r is x's
+// row r), empty when l has none. Threads split the panels (inline within a parallel region).
+void apply_rows(const Linear& l, const float* x, int64_t r0, int64_t r1, const ActivationRows& int8_rows, float* y);
+
 // Whether apply() runs T rows through the packed kernel (else the dot-product one). Either sums each output
 // in an order that does not depend on the other rows, so a panel recomputed for one row with the same kernel
 // (project_panel) gives the very numbers apply() gives.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -50,21 +51,23 @@ int64_t lane_column(Format f, int64_t c, int64_t l) {
 // Where column i (< 64) of a chunk goes in its 64 bytes.
 int64_t lane_byte(Format f, int64_t i) { return f == Format::kInt8 ? i : (i % 2) * 32 + i / 2; }
 
-QuantizedRows quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group) {
-  QuantizedRows q;
+// x's T rows quantized into q (its buffers reused: a scratch kept between calls allocates nothing once grown).
+void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
   q.lanes = kVnni && group % 8 == 0;
   q.chunks = (K + 63) / 64;
+  q.values.clear(), q.bias.clear(), q.lane_group.clear();
   const int64_t C = q.chunks, G = q.groups;
-  std::vector<int8_t> row(K);
-  std::vector<float> scales(G);
   if (!q.lanes) {
     q.bytes.resize(T * K), q.scales.resize(T * G);
     for (int64_t t = 0; t < T; ++t) {
       quantize_row(x + t * K, K, group, reinterpret_cast<int8_t*>(q.bytes.data()) + t * K, q.scales.data() + t * G);
     }
-    return q;
+    return;
   }
+  thread_local std::vector<int8_t> row;
+  thread_local std::vector<float> scales;
+  row.resize(K), scales.resize(G);
   q.lane_group.resize(C * 16);
   for (int64_t c = 0; c < C; ++c) {
     for (int64_t l = 0; l < 16; ++l) {  // (a lane past K: the last group, whose scale is there to read)
@@ -92,7 +95,6 @@ QuantizedRows quantize_for(const float* x, int64_t T, int64_t K, Format f, int64
       }
     }
   }
-  return q;
 }
 
 const uint8_t* data_of(const WeightPart& p) { return static_cast<const uint8_t*>(p.data.data_ptr()); }
@@ -283,32 +285,71 @@ const QuantizedRows& layout_for(const ActivationRows& a, const WeightPart& p) {
 }  // namespace
 
 // x~ = q_x * s_x of every row (values), each group's q_x and s_x those quantize_row gives.
-QuantizedRows dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t group) {
-  QuantizedRows q;
+void dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
+  q.lanes = false, q.chunks = 0;
+  q.bytes.clear(), q.scales.clear(), q.bias.clear(), q.lane_group.clear();
   q.values.resize(T * K);
-  std::vector<int8_t> row(K);
-  std::vector<float> scales(q.groups);
+  thread_local std::vector<int8_t> row;
+  thread_local std::vector<float> scales;
+  row.resize(K), scales.resize(q.groups);
   for (int64_t t = 0; t < T; ++t) {
     quantize_row(x + t * K, K, group, row.data(), scales.data());
     float* v = q.values.data() + t * K;
     for (int64_t k = 0; k < K; ++k) v[k] = static_cast<float>(row[k]) * scales[k / group];
   }
-  return q;
+}
+
+void quantize_activations_into(std::initializer_list<const Linear*> ls, const float* x, int64_t T,
+                               ActivationRows& a) {
+  size_t n = 0;  // the layouts filled so far (a's first n)
+  for (const Linear* l : ls) {
+    for (const WeightPart& p : l->parts) {
+      if (!reads_int8_activations(*l, p)) continue;
+      const auto filled = a.layouts.begin() + static_cast<std::ptrdiff_t>(n);
+      const bool have = std::any_of(a.layouts.begin(), filled, [&](const QuantizedRows& q) {
+        return q.format == p.format && q.group == p.group;
+      });
+      if (have) continue;
+      if (n == a.layouts.size()) a.layouts.emplace_back();
+      QuantizedRows& q = a.layouts[n++];
+      if (T > kIntKernelRows) {
+        dequantized_for(x, T, l->K, p.format, p.group, q);
+      } else {
+        quantize_for(x, T, l->K, p.format, p.group, q);
+      }
+    }
+  }
+  a.layouts.resize(n);
 }
 
 ActivationRows quantize_activations(const Linear& l, const float* x, int64_t T) {
   ActivationRows a;
-  for (const WeightPart& p : l.parts) {
-    if (!reads_int8_activations(l, p)) continue;
-    const bool have = std::any_of(a.layouts.begin(), a.layouts.end(), [&](const QuantizedRows& q) {
-      return q.format == p.format && q.group == p.group;
-    });
-    if (have) continue;
-    a.layouts.push_back(T > kIntKernelRows ? dequantized_for(x, T, l.K, p.format, p.group)
-                                           : quantize_for(x, T, l.K, p.format, p.group));
-  }
+  quantize_activations_into({&l}, x, T, a);
   return a;
+}
+
+void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, ActivationRows& to) {
+  to.layouts.resize(from.layouts.size());
+  for (size_t i = 0; i < from.layouts.size(); ++i) {
+    const QuantizedRows& f = from.layouts[i];
+    QuantizedRows& q = to.layouts[i];
+    q.format = f.format, q.group = f.group, q.groups = f.groups, q.K = f.K, q.lanes = f.lanes, q.chunks = f.chunks;
+    q.lane_group.assign(f.lane_group.begin(), f.lane_group.end());
+    // per row: lanes [chunks, 64] bytes and [chunks, 16] scales (and int4 biases); plain [K] and [groups];
+    // prompt rows [K] values
+    const int64_t bytes = f.lanes ? f.chunks * 64 : f.K, lanes = f.lanes ? f.chunks * 16 : f.groups;
+    const auto take = [&](const auto& src, auto& dst, int64_t per_row) {
+      dst.resize(src.empty() ? 0 : n * per_row);
+      for (int64_t r = 0; r < n && !src.empty(); ++r) {
+        std::copy_n(src.begin() + rows[r] * per_row, per_row, dst.begin() + r * per_row);
+      }
+    };
+    take(f.bytes, q.bytes, bytes);
+    take(f.scales, q.scales, lanes);
+    take(f.bias, q.bias, lanes);
+    take(f.values, q.values, f.K);
+  }
 }
 
 void int_panel(const Linear& l, const ActivationRows& a, const float* x, int64_t r0, int64_t r1, int64_t n0,

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,16 @@ struct ActivationRows {
 };
 
 ActivationRows quantize_activations(const Linear& l, const float* x, int64_t T);
+
+// x's rows quantized into a for every (format, group) that the int8-activation parts of the projections ls
+// have (one quantization of each row serves them all), a's buffers reused: kept between calls as scratch,
+// it allocates nothing once grown.
+void quantize_activations_into(std::initializer_list<const Linear*> ls, const float* x, int64_t T,
+                               ActivationRows& a);
+
+// to = rows rows[0 .. n) of from, in that order (the rows some experts' tokens have, quantized once for all),
+// to's buffers reused.
+void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, ActivationRows& to);
 
 // out[r * ldo + j] = row r0 + r of x times output n0 + j for r < r1 - r0, j < ncols (one panel): the
 // int8-activation parts through the integer kernel, the others through project_panel (packed: its kernel).

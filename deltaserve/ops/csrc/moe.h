@@ -40,6 +40,11 @@ std::vector<Linear> expert_linears(const at::Tensor& experts, const at::Tensor& 
 // fp32 over the router logits [T, E], torch.topk's choice and order, ties included).
 std::pair<at::Tensor, at::Tensor> moe_route(const MoeDims& d, const at::Tensor& logits);
 
+// The routing moe_mlp does: the same choice as moe_route, weights to rounding (exp within an ulp of torch's),
+// row by row in one loop over the logits; a row whose k-th and (k+1)-th choice may tie in torch's
+// probabilities (or with a NaN) goes to moe_route.
+std::pair<at::Tensor, at::Tensor> moe_route_fast(const MoeDims& d, const at::Tensor& logits);
+
 // Steps of at most this many rows run their experts on separate threads, larger ones split each expert's
 // projections over the threads (its panels of outputs; its tokens are many).
 constexpr int64_t kExpertParallelRows = 32;
