@@ -97,6 +97,7 @@ class ToolExample:
     kind: str  # "call" or "no_call"
     lang: str  # "en" or "zh"
     expected_call: dict | None  # {"name", "arguments"} (typed as the schema says) for "call", else None
+    topic: str | None = None  # the tool the question is about, offered or not (None: a general question)
 
 
 @dataclass(slots=True)
@@ -302,7 +303,7 @@ def _draw(r: random.Random, max_tools: int) -> ToolExample:
             item.call_think = ("No offered tool can do this, so I answer directly." if lang == "en"
                                else "提供的工具都不适用，我直接回答。")
         messages.append(_assistant(item.direct_answer, item.call_think if thinking else None))
-    return ToolExample(messages, [TOOLS[t] for t in offered], thinking, kind, lang, expected)
+    return ToolExample(messages, [TOOLS[t] for t in offered], thinking, kind, lang, expected, item.tool)
 
 
 def _assistant(content: str, reasoning: str | None, tool_calls: list[dict] | None = None) -> dict:
