@@ -126,3 +126,27 @@ def test_max_tools_bounds_the_offered_specs() -> None:
     assert counts == {1, 2}
     counts = {len(gen_tools.sample(random.Random(s), "train").tools) for s in range(400)}
     assert counts == {1, 2, 3, 4}
+
+
+def test_eval_scores_the_training_answers_right_and_a_mistyped_argument_wrong(tok: Tokenizer) -> None:
+    """scripts/eval_demo_tools.py's scoring, fed the outputs the training data teaches: every metric is 100%;
+    a number written as a string, or a missing argument, is not the right call."""
+    import scripts.eval_demo_tools as ev
+
+    outcomes = []
+    for ex in _examples("heldout", 60):
+        _, (output, _) = gen_tools.first_turn_segments(ex, tok)
+        _, content = split_reasoning(output.removesuffix("<|im_end|>"), ex.enable_thinking)
+        _, calls = extract_tool_calls(Qwen3CoderToolParser(), tool_schemas(ex.tools), content)
+        answer = ex.messages[-1]["content"] if ex.kind == "call" else None
+        outcomes.append(ev.Outcome(ex, output, [{"name": c.name, "arguments": c.arguments} for c in calls], answer))
+    summary = ev.summarize(outcomes)
+    assert {m for row in summary.values() for m in row} == set(ev.METRICS)
+    assert all(c["rate"] == 1.0 for row in summary.values() for c in row.values())
+    assert summary["all"]["no_call_ok"]["n"] + summary["all"]["call_made"]["n"] == 60
+
+    o = next(o for o in outcomes if o.example.kind == "call" and o.example.expected_call["name"] == "calculate")
+    o.calls = [{"name": "calculate", "arguments": {**o.calls[0]["arguments"], "a": str(o.calls[0]["arguments"]["a"])}}]
+    assert o.scores["right_name"] and not o.scores["right_args"]
+    o.calls = [{"name": "calculate", "arguments": {"operation": "add", "a": 1}}]
+    assert not o.scores["right_args"]
