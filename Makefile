@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/deltaserve serve --host 127.0.0.1 --port 8000
+	$(BIN)/deltaserve serve --host 127.0.0.1 --port 8000 --enable-auto-tool-choice
 
 test: $(STAMP)
 	$(BIN)/ruff check deltaserve tests scripts benchmarks

