@@ -203,40 +203,12 @@ def test_sibling_projections_quantize_their_input_once(monkeypatch) -> None:
 def test_moe_mlp_with_int8_activations_matches_the_python_block(ext, name: str, rows: int) -> None:
     """The experts and the shared expert, stored in int8 / int4, quantize their inputs in both the C++ MoE MLP
     and the Python block; the router stays float32 (as the loader leaves it) and reads x as it is."""
-    from deltaserve.config import ModelConfig
-    from deltaserve.model.linear import StoredWeights
-    from deltaserve.model.moe import SparseMoeBlock
-    from tests.checkpoints import TINY, hf_moe_config
+    from tests.test_moe_decode import decode_block, moe_args
 
-    cfg = ModelConfig.from_dict({**hf_moe_config("qwen3_5_moe", TINY).to_dict(), "architectures": None})
-    torch.manual_seed(rows)
-    block = SparseMoeBlock(cfg)
-    fmt = WeightFormat.of(name)
-    with torch.no_grad():
-        for p in block.parameters():
-            torch.nn.init.normal_(p, std=0.3)
-        for module_name, module in block.named_modules():
-            if not isinstance(module, StoredWeights) or module_name == "gate":
-                continue
-            values = {w: getattr(module, w).detach().clone() for w in module.WEIGHTS}
-            store(module, fmt)
-            for w, v in values.items():
-                data, scale = quantize(v, fmt)
-                getattr(module, w).copy_(data)
-                module.scale(w).copy_(scale)
-            module.activation_quantization = "int8"
-    stored = {}
-    for module_name, module in block.named_modules():
-        if isinstance(module, StoredWeights):
-            for w in module.WEIGHTS:
-                f = module.fmt
-                key = f"{module_name}.{w}"
-                stored[key] = (getattr(module, w).detach(), module.scale(w), f.name, f.group)
-    x = torch.randn(rows, cfg.hidden_size)
-    args = ([stored[n] for n in ("gate.weight", "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
-                                 "shared_expert_gate.weight")],
-            stored["shared_expert.down_proj.weight"], stored["experts.gate_up_proj"], stored["experts.down_proj"],
-            cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    block, activations = decode_block(name, seed=rows)
+    assert activations == "int8"
+    x = torch.randn(rows, block.gate.weight.shape[1])
+    args = moe_args(block)
     got = ext.moe_mlp(x, *args, activation_quantization="int8")
     with torch.no_grad():
         want = block(x)

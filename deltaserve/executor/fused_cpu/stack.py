@@ -166,20 +166,6 @@ def _layer_weights(layer: torch.nn.Module, cache: CacheTensors) -> _Weights:
     return w
 
 
-def _add_embedding(head: _Weights, embed: torch.nn.Module, lm_head: torch.nn.Module) -> None:
-    """head["embed_tokens.weight"]: the embedding's rows as stored (float32 or bfloat16), or, where the
-    embedding is the tied lm_head's quantized data itself, those with the lm_head's scales."""
-    weight = embed.weight.detach()
-    fmt = getattr(embed, "fmt", None)
-    if fmt is None and weight.untyped_storage().data_ptr() == lm_head.weight.untyped_storage().data_ptr():
-        fmt = lm_head.fmt  # tied: the head's rows, in its format
-        embed = lm_head
-    if fmt is not None:
-        head.add_projection({"embed_tokens.weight": embed})
-    else:
-        head["embed_tokens.weight"] = weight
-
-
 DIMS = (  # the config's sizes that FusedStack reads, by their names
     "hidden_size", "intermediate_size", "vocab_size", "linear_num_key_heads", "linear_num_value_heads",
     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_attention_heads",
@@ -269,7 +255,8 @@ class FusedTrunk(_FusedStack):
     def __init__(self, model: torch.nn.Module, cache: CacheTensors, ext: ModuleType | None = None) -> None:
         text = model.model
         head = _Weights()
-        _add_embedding(head, text.embed_tokens, model.lm_head)
+        # as stored: its format's rows and scales (a tied embedding is the lm_head's own, model/linear.py tie)
+        head.add_projection({"embed_tokens.weight": text.embed_tokens})
         head["norm.scale"] = _one_plus(text.norm)
         head.add_projection({"lm_head.weight": model.lm_head})
         super().__init__(model, cache, head, list(text.layers), mtp=False, ext=ext)
@@ -338,7 +325,7 @@ class FusedMTP(_FusedStack):
         embed = mtp.embed_tokens if mtp.embed_tokens is not None else model.model.embed_tokens
         # Drafts take their logits from the trunk's lm_head (FusedTrunk.logits); this one's is only checked.
         head = _Weights()
-        _add_embedding(head, embed, model.lm_head)
+        head.add_projection({"embed_tokens.weight": embed})  # as stored, as the trunk's
         head.add_projection({"lm_head.weight": model.lm_head, "fc.weight": mtp.fc})
         head |= {
             "norm.scale": _one_plus(mtp.norm),
