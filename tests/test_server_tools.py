@@ -109,6 +109,55 @@ def _tool(name: str, properties: dict) -> dict:
         "type": "object", "properties": properties, "required": list(properties)}}}
 
 
+def _strict(tool: dict) -> dict:
+    return {"type": "function", "function": {**tool["function"], "strict": True}}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_auto_calls_of_strict_functions_always_validate(client: openai.OpenAI, seed: int) -> None:
+    """tool_choice auto with `"strict": true`: the model opens a call (forced by logit_bias, as in
+    test_auto_with_a_broken_call_keeps_it_as_text, where the same noise stays text) and the grammar makes it
+    a valid call."""
+    r = client.chat.completions.create(
+        model="tiny", messages=USER, tools=[_strict(WEATHER), _strict(ADD)], tool_choice="auto", max_tokens=200,
+        temperature=1.0, seed=seed, logit_bias={"8188": 100}, extra_body=NO_THINK, parallel_tool_calls=False,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    _check_call(call)
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("opens_a_call", [False, True])
+def test_auto_with_strict_functions_and_a_json_schema_answers_or_calls(
+        client: openai.OpenAI, seed: int, opens_a_call: bool) -> None:
+    """Strict tools beside response_format (as the Agents SDK sends an agent's output type): the output is an
+    answer valid for the schema, or valid calls; a model that opens a call (logit_bias) gets to make it."""
+    r = client.chat.completions.create(
+        model="tiny", messages=USER, tools=[_strict(WEATHER)], tool_choice="auto", max_tokens=200,
+        temperature=1.0, seed=seed, extra_body=NO_THINK, logit_bias={"8188": 100} if opens_a_call else None,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}},
+    )
+    message = r.choices[0].message
+    assert message.tool_calls or not opens_a_call, message
+    for call in message.tool_calls or []:
+        _check_call(call)
+    if not message.tool_calls:
+        jsonschema.validate(json.loads(message.content), PERSON)
+
+
+def test_responses_strict_function_is_enforced(client: openai.OpenAI) -> None:
+    """/v1/responses passes a function's strict on: a strict function whose schema cannot be enforced is a
+    400 there too (without strict it is served unchecked)."""
+    tool = {"type": "function", "name": "book", "parameters": {
+        "type": "object", "properties": {"ref": {"type": "string", "format": "iri"}}, "required": ["ref"]}}
+    kw = dict(model="tiny", input="Book it.", max_output_tokens=4, reasoning={"effort": "none"})
+    assert client.responses.create(tools=[{**tool, "strict": False}], **kw).status == "incomplete"
+    with pytest.raises(openai.BadRequestError, match="string format 'iri' is not supported"):
+        client.responses.create(tools=[{**tool, "strict": True}], **kw)
+
+
 BOOK = _tool("book", {"day": {"type": "string", "format": "date"}, "host": {"type": "string", "format": "ipv4"},
                       "ref": {"type": "string", "format": "uuid"}, "at": {"type": "string", "format": "time"}})
 
@@ -217,6 +266,13 @@ def test_invalid_schema_and_grammar_are_400(client: openai.OpenAI) -> None:
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [_tool("book", {"ref": {"type": "string", "format": "iri"}})], "tool_choice": "required"},
          "tool 'book', parameter 'ref': string format 'iri' is not supported"),
+        # strict under auto enforces the schema, so one it cannot enforce is refused, not ignored
+        ({"tools": [_strict(_tool("book", {"ref": {"type": "string", "format": "iri"}}))], "tool_choice": "auto"},
+         "tool 'book', parameter 'ref': string format 'iri' is not supported"),
+        ({"tools": [{"type": "function", "function": {**WEATHER["function"], "strict": "yes"}}]},
+         "tools[0].function.strict must be true or false"),
+        ({"tools": [_strict(WEATHER)], "structured_outputs": {"regex": "a+"}},
+         "strict tools with tool_choice auto combine with a JSON response_format only"),
     ]
     for extra, needle in cases:
         with pytest.raises(openai.BadRequestError) as e:

@@ -1,15 +1,20 @@
 """The qwen3_coder call grammar's string parameters (raw text, not JSON): every constraint of the schema
 holds together (const, enum, pattern as a search, lengths, format), each supported format admits its
-values and refuses others, and what it cannot enforce is an error naming the tool and parameter."""
+values and refuses others, and what it cannot enforce is an error naming the tool and parameter. And the
+grammar of tool_choice auto with strict functions, in both call formats: an answer or calls, a strict
+function's arguments valid for its schema, another function's as written."""
+
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from deltaserve.assets import DEMO_DIR
 from deltaserve.engine.structured import GrammarCompiler
 from deltaserve.sampling import StructuredOutputsParams
-from deltaserve.serve.tool_grammar import ToolGrammarError, tool_call_grammar
+from deltaserve.serve.tool_grammar import ToolGrammarError, auto_tool_grammar, tool_call_grammar
 
 pytestmark = pytest.mark.skipif(not (DEMO_DIR / "tokenizer.json").exists(), reason="no demo tokenizer")
 
@@ -74,3 +79,49 @@ def test_what_cannot_be_enforced_is_an_error(compiler: GrammarCompiler, schema: 
     params = {"type": "object", "properties": {"when": schema}}
     with pytest.raises(ToolGrammarError, match=f"tool 'f', parameter 'when': {needle}"):
         tool_call_grammar(compiler.tokenizer, "qwen3_coder", {"f": params}, parallel=False)
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "London"]},
+                                         "days": {"type": "integer"}}, "required": ["city"]}
+
+
+def _call(parser: str, name: str, arguments: dict) -> str:
+    if parser == "hermes":
+        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def _admits(compiler: GrammarCompiler, grammar: str, text: str) -> bool:
+    m = compiler.compile(StructuredOutputsParams(grammar=grammar)).matcher().matcher
+    ids = compiler.tokenizer.encode(text)
+    return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "hermes"])
+def test_auto_with_strict_functions_answers_or_calls_validly(compiler: GrammarCompiler, parser: str) -> None:
+    # `weather` is strict, `note` is not
+    grammar = auto_tool_grammar(compiler.tokenizer, parser, {"weather": CITY, "note": {"type": "object"}},
+                                {"weather"}, parallel=True)
+    paris, seoul = _call(parser, "weather", {"city": "Paris"}), _call(parser, "weather", {"city": "Seoul"})
+    admitted = {
+        "": True, "It is sunny.": True, paris: True, "Let me look.\n\n" + paris: True,
+        paris + "\n" + _call(parser, "weather", {"city": "London", "days": 3}): True,
+        _call(parser, "note", {"anything": "goes"}): True,  # not strict: its arguments are not checked
+        seoul: False,  # not in the enum
+        _call(parser, "weather", {"city": "Paris", "days": "three"}): False,
+        _call(parser, "weather", {"days": 3}): False,  # city is required
+        "a <tool_call> spelled out in text": False,  # the parser would read an unchecked call in it
+        paris + " and then more text": False,
+    }
+    assert {text: _admits(compiler, grammar, text) for text in admitted} == admitted
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "hermes"])
+def test_auto_with_strict_functions_and_a_json_answer(compiler: GrammarCompiler, parser: str) -> None:
+    answer = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    grammar = auto_tool_grammar(compiler.tokenizer, parser, {"weather": CITY}, {"weather"}, parallel=False,
+                                answer_schema=answer)
+    admitted = {'{"n": 3}': True, _call(parser, "weather", {"city": "London"}): True, "It is sunny.": False,
+                '{"n": "3"}': False, _call(parser, "weather", {"city": "Rome"}): False}
+    assert {text: _admits(compiler, grammar, text) for text in admitted} == admitted

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.sampling import StructuredOutputsParams
 from deltaserve.serve.errors import APIError
-from deltaserve.serve.tool_grammar import ToolGrammarError, tool_call_grammar
+from deltaserve.serve.tool_grammar import ToolGrammarError, auto_tool_grammar, tool_call_grammar
 from deltaserve.serve.tool_parsers import TOOL_PARSERS, ToolParser, tool_schemas
 
 
@@ -26,7 +27,10 @@ class ToolPlan:
     schemas: dict[str, dict[str, Any]]
     parallel: bool
     choice: str  # "none", "auto", "required" or "named"
-    structured: StructuredOutputsParams | None = None  # required / named: the grammar of a valid call
+    # required / named: the grammar of a valid call; auto with strict functions: an answer or calls, a
+    # strict function's arguments valid for its schema
+    structured: StructuredOutputsParams | None = None
+    answer_constrained: bool = False  # the grammar includes the request's response_format
 
 
 def _check_tools(tools: list[dict[str, Any]]) -> None:
@@ -39,10 +43,36 @@ def _check_tools(tools: list[dict[str, Any]]) -> None:
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise APIError(400, f"tools[{i}].function.strict must be true or false", param="tools")
+
+
+def strict_functions(tools: list[dict[str, Any]]) -> set[str]:
+    """The names of the functions whose spec says `"strict": true`."""
+    return {t["function"]["name"] for t in tools if t["function"].get("strict") is True}
+
+
+def _answer_schema(answer: StructuredOutputsParams | None) -> dict[str, Any] | bool | None:
+    """The JSON schema of a response_format that stands beside strict tools under auto."""
+    if answer is None:
+        return None
+    if answer.json_object:
+        return {"type": "object"}
+    if answer.json is None:  # regex, choice or grammar: vLLM's structured_outputs
+        raise APIError(400, "strict tools with tool_choice auto combine with a JSON response_format only, not "
+                       "with structured_outputs' regex, choice or grammar", param="structured_outputs")
+    if isinstance(answer.json, str):
+        try:
+            return json.loads(answer.json)
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"the JSON schema is not valid JSON: {e}", param="structured_outputs") from e
+    return answer.json
 
 
 def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None, parallel: bool,
-               config: ToolConfig, tokenizer: Any) -> ToolPlan:
+               config: ToolConfig, tokenizer: Any, answer: StructuredOutputsParams | None = None) -> ToolPlan:
+    """How a request's tools are rendered, parsed and enforced. answer: the request's own structured-output
+    constraint (response_format), which strict tools under auto fold into their grammar."""
     if tools:
         _check_tools(tools)
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
@@ -76,7 +106,16 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
         )
     parser = TOOL_PARSERS[parser_name]()
     if choice == "auto":
-        return ToolPlan(parser, schemas, parallel, "auto")
+        strict = strict_functions(tools)
+        if not strict:
+            return ToolPlan(parser, schemas, parallel, "auto")
+        try:
+            grammar = auto_tool_grammar(tokenizer, parser_name, schemas, strict, parallel,
+                                        _answer_schema(answer))
+        except ToolGrammarError as e:
+            raise APIError(400, str(e), param="tools") from e
+        return ToolPlan(parser, schemas, parallel, "auto", StructuredOutputsParams(grammar=grammar),
+                        answer_constrained=answer is not None)
     if named is not None:
         if named not in schemas:
             raise APIError(400, f"tool_choice names function {named!r}, which is not in tools", param="tool_choice")

@@ -170,7 +170,7 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
         if t.get("type") != "function":
             raise APIError(400, f"tools[{i}]: only function tools are supported, got {t.get('type')!r}",
                            param="tools")
-        fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
+        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
         out.append({"type": "function", "function": fn})
     return out
 

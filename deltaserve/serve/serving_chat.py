@@ -69,10 +69,10 @@ def prepare_chat(
     if req.stream and req.prompt_logprobs is not None:
         raise APIError(400, "prompt_logprobs is not supported with stream on chat completions; use "
                        "stream: false or /v1/completions", param="prompt_logprobs")
-    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tool_config or ToolConfig(),
-                       engine.tokenizer)
     structured, field = structured_from_request(req.response_format, req.structured_outputs, req.model_extra)
-    if structured is not None and tools.structured is not None:
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tool_config or ToolConfig(),
+                       engine.tokenizer, structured)
+    if structured is not None and tools.structured is not None and not tools.answer_constrained:
         raise APIError(400, f"tool_choice {tools.choice!r} cannot be combined with {field}", param=field)
     if tools.structured is not None:
         structured, field = tools.structured, "tools"

@@ -137,15 +137,49 @@ def _hermes_call(tokenizer: Any, name: str, params: dict[str, Any], idx: int) ->
     ]
 
 
-def tool_call_grammar(tokenizer: Any, parser_name: str, schemas: dict[str, dict[str, Any]],
-                      parallel: bool) -> str:
-    """A Lark grammar for one call (or, with parallel, one or more) of the functions in `schemas`."""
+def _loose_call(tokenizer: Any, parser_name: str, name: str, idx: int) -> list[str]:
+    """A call of a function that is not strict, under tool_choice auto: its name, then arguments in the
+    parser's layout that are not checked against its schema (as without any grammar)."""
+    if parser_name == HermesToolParser.name:
+        return _hermes_call(tokenizer, name, {"type": "object"}, idx)
+    head = f"{lark_text(tokenizer, CALL_START)} {json.dumps(chr(10) + '<function=' + name + '>' + chr(10))}"
+    # The arguments and the closing tag are one lexeme, as a string value is (_qwen3_coder_call)
+    return [f"call_{idx}: {head} ARGS_{idx} {lark_text(tokenizer, CALL_END)}",
+            f"ARGS_{idx}: /(?s:.*)<\\/function>\\n/ & ~/(?s:.*)<\\/function>\\n(?s:.+)/"]
+
+
+def _call_rules(tokenizer: Any, parser_name: str, schemas: dict[str, dict[str, Any]],
+                loose: frozenset[str] = frozenset()) -> list[str]:
+    """The rule `call` (one call of any function in `schemas`) and the rules it needs; the functions named
+    in `loose` get unchecked arguments, the others arguments valid for their schema."""
     build = _hermes_call if parser_name == HermesToolParser.name else _qwen3_coder_call
     rules: list[str] = []
     names: list[str] = []
     for idx, (name, params) in enumerate(schemas.items()):
-        rules += build(tokenizer, name, params, idx)
+        rules += _loose_call(tokenizer, parser_name, name, idx) if name in loose else build(tokenizer, name, params, idx)
         names.append(f"call_{idx}")
-    call = "call: " + " | ".join(names)
+    return ["call: " + " | ".join(names), *rules]
+
+
+def tool_call_grammar(tokenizer: Any, parser_name: str, schemas: dict[str, dict[str, Any]],
+                      parallel: bool) -> str:
+    """A Lark grammar for one call (or, with parallel, one or more) of the functions in `schemas`."""
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return "\n".join([start, call, *rules]) + "\n"
+    return "\n".join([start, *_call_rules(tokenizer, parser_name, schemas)]) + "\n"
+
+
+def auto_tool_grammar(tokenizer: Any, parser_name: str, schemas: dict[str, dict[str, Any]], strict: set[str],
+                      parallel: bool, answer_schema: dict[str, Any] | bool | None = None) -> str:
+    """tool_choice auto with strict functions (OpenAI's `"strict": true`): the model may answer or call, as
+    it likes, but a call of a strict function always has arguments valid for its schema. The answer is free
+    text that never spells out the call tag (else the parser would read an unchecked call in it), followed by
+    any calls; with answer_schema (the request's response_format) it is that JSON value instead, and then
+    the output is the answer or the calls."""
+    calls = 'calls: call ("\\n" call)*' if parallel else "calls: call"
+    loose = frozenset(schemas) - frozenset(strict)
+    if answer_schema is None:
+        tag = llguidance_module().regex_to_lark(re.escape(CALL_START))
+        answer = ["start: TEXT? calls?", f"TEXT: /(?s:.+)/ & ~/(?s:.*){tag}(?s:.*)/"]
+    else:
+        answer = ["start: answer | calls", f"answer: {json_schema_lark(answer_schema)}"]
+    return "\n".join([*answer, calls, *_call_rules(tokenizer, parser_name, schemas, loose)]) + "\n"
