@@ -156,7 +156,10 @@ def _call_rules(tokenizer: Any, parser_name: str, schemas: dict[str, dict[str, A
     rules: list[str] = []
     names: list[str] = []
     for idx, (name, params) in enumerate(schemas.items()):
-        rules += _loose_call(tokenizer, parser_name, name, idx) if name in loose else build(tokenizer, name, params, idx)
+        if name in loose:
+            rules += _loose_call(tokenizer, parser_name, name, idx)
+        else:
+            rules += build(tokenizer, name, params, idx)
         names.append(f"call_{idx}")
     return ["call: " + " | ".join(names), *rules]
 
