@@ -48,6 +48,7 @@ from deltaserve.model.decoder import Qwen3_5ForCausalLM  # noqa: E402
 from deltaserve.tokenizer import Tokenizer as ChatTokenizer  # noqa: E402
 
 ROOT = SCRIPTS.parent
+CITY_TOOLS = ("get_weather", "get_time")  # the tools whose argument is a city named in the question
 
 
 @dataclass(slots=True)
@@ -185,6 +186,12 @@ class Mix:
             segments = gen_tools.first_turn_segments(example, self.tokenizer)
         return segments_to_sequence(segments, self.tokenizer)
 
+    def city(self, rng: random.Random) -> Sequence:
+        """A weather or time question's first turn: the call, whose city argument is the English name of the
+        city the question names (in either language), so the model learns to copy or translate it."""
+        example = gen_tools.sample(rng, self.split, max_tools=2, topics=CITY_TOOLS)
+        return segments_to_sequence(gen_tools.first_turn_segments(example, self.tokenizer), self.tokenizer)
+
     def vision(self, rng: random.Random) -> Sequence:
         example = gen_vision.sample(rng, self.split)
         return vision_sequence(example, self.tokenizer, self.processor, self.vision_cfg, rng.random() < 0.5)
@@ -196,8 +203,10 @@ class Mix:
     def groups(self, rng: random.Random) -> dict[str, dict]:
         """One step's three packed groups (each its own forward: a tool prompt is ten times a question's length)."""
         a = self.args
-        counts = {"text": a.text_per_step, "tool": a.tools_per_step, "vision": a.vision_per_step}
-        return {kind: pack([getattr(self, kind)(rng) for _ in range(n)], self.pad_id) for kind, n in counts.items()}
+        counts = {"text": a.text_per_step, "tool": a.tools_per_step, "vision": a.vision_per_step,
+                  "city": a.city_calls_per_step}
+        return {kind: pack([getattr(self, kind)(rng) for _ in range(n)], self.pad_id)
+                for kind, n in counts.items() if n > 0}
 
 
 @torch.no_grad()
@@ -205,7 +214,7 @@ def evaluate(model, mix: Mix, seed: int, draws: int) -> dict[str, float]:
     """Held-out trunk loss on each kind of data (target tokens only)."""
     model.eval()
     out = {}
-    for kind in ("text", "tool", "vision"):
+    for kind in ("text", "tool", "vision", "city"):
         rng = random.Random(seed)
         total = 0.0
         for _ in range(draws):
@@ -227,6 +236,8 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=256, help="tokens per replayed corpus window")
     ap.add_argument("--tools-per-step", type=int, default=4)
     ap.add_argument("--vision-per-step", type=int, default=32)
+    ap.add_argument("--city-calls-per-step", type=int, default=0,
+                    help="weather / time questions' calls (first turn only): the city argument drill")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of the pre-trained parts")
     ap.add_argument("--tower-lr", type=float, default=3e-3, help="peak learning rate of the new vision tower")
     ap.add_argument("--mtp-weight", type=float, default=0.5)
@@ -299,7 +310,8 @@ def main() -> None:
     previous = json.loads((args.base / "training_summary.json").read_text())
     save(model, args.base, args.out)
     run = {"steps": step, "tokens_seen": seen, "train_minutes": round(elapsed / 60, 1), "threads": args.threads,
-           "per_step": {"text": args.text_per_step, "tools": args.tools_per_step, "vision": args.vision_per_step},
+           "per_step": {"text": args.text_per_step, "tools": args.tools_per_step, "vision": args.vision_per_step,
+                        "city_calls": args.city_calls_per_step},
            "text_window": args.length, "lr": args.lr, "tower_lr": args.tower_lr, "heldout_loss": final}
     # A --base that was fine-tuned already (a second run continues it): the runs are listed, their sums kept.
     runs = previous.get("finetune", {}).get("runs", []) + [run]

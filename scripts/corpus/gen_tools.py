@@ -274,12 +274,12 @@ def _count(r: random.Random, lo: int, hi: int) -> int:
     return r.choices(counts, weights=[2 ** (hi - c) for c in counts])[0]
 
 
-def _draw(r: random.Random, max_tools: int) -> ToolExample:
+def _draw(r: random.Random, max_tools: int, topics: tuple[str, ...] | None = None) -> ToolExample:
     lang = r.choice(["en", "zh"])
     thinking = r.random() < 0.5
-    kind = "call" if r.random() < 0.7 else "no_call"
+    kind = "call" if r.random() < 0.7 or topics is not None else "no_call"
     if kind == "call":
-        item = ITEMS[r.choice(list(ITEMS))](r, lang)
+        item = ITEMS[r.choice(list(topics or ITEMS))](r, lang)
         others = [t for t in TOOLS if t != item.tool]
         offered = [item.tool, *r.sample(others, _count(r, 0, max_tools - 1))]
     elif r.random() < 0.6:  # a tool question whose tool is not offered
@@ -328,15 +328,19 @@ def is_heldout(text: str) -> bool:
     return _hash_int(text) % HELDOUT_ONE_IN == 0
 
 
-def sample(rng: random.Random, split: str, max_tools: int = 4) -> ToolExample:
+def sample(rng: random.Random, split: str, max_tools: int = 4, topics: tuple[str, ...] | None = None) -> ToolExample:
     """One example of split "train" or "heldout" (a question is in exactly one of them, by its hash), with
-    1..max_tools tool specs offered (fewer more often; a no_call tool question gets at most 3, all others)."""
+    1..max_tools tool specs offered (fewer more often; a no_call tool question gets at most 3, all others).
+    topics: only "call" examples of these tools (the city-argument drill: ("get_weather", "get_time"))."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     if not 1 <= max_tools <= len(TOOLS):
         raise ValueError(f"max_tools must be 1..{len(TOOLS)}, got {max_tools}")
+    unknown = sorted(set(topics or ()) - set(ITEMS))
+    if unknown:
+        raise ValueError(f"unknown topic {unknown[0]!r}; the topics are {', '.join(ITEMS)}")
     while True:
-        ex = _draw(rng, max_tools)
+        ex = _draw(rng, max_tools, topics)
         if is_heldout(question(ex)) == (split == "heldout"):
             return ex
 
