@@ -86,12 +86,14 @@ def finetune_lines(summary: dict, cfg: ModelConfig) -> list[str]:
         "",
     ]
     for r in ft.get("runs", [ft]):
-        p = r["per_step"]
+        p, loss = r["per_step"], r["heldout_loss"]
+        # the city drill (--city-calls-per-step): weather / time questions' first turns, the call alone
+        drill = f" + {p['city_calls']} city-argument calls" if p.get("city_calls") else ""
+        drill_loss = f", city-argument calls {loss['city']}" if "city" in loss else ""
         lines.append(f"- {r['train_minutes']} minutes, {r['steps']} steps of {p['text']} windows of "
-                     f"{r['text_window']} tokens + {p['tools']} conversations + {p['vision']} pictures; peak "
-                     f"learning rate {r['lr']} ({r['tower_lr']} for the tower); held-out loss of the targets at "
-                     f"the end: text {r['heldout_loss']['text']}, tools {r['heldout_loss']['tool']}, pictures "
-                     f"{r['heldout_loss']['vision']}.")
+                     f"{r['text_window']} tokens + {p['tools']} conversations + {p['vision']} pictures{drill}; "
+                     f"peak learning rate {r['lr']} ({r['tower_lr']} for the tower); held-out loss of the targets "
+                     f"at the end: text {loss['text']}, tools {loss['tool']}, pictures {loss['vision']}{drill_loss}.")
     evals = ft.get("evals", {})
     if "tools" in evals:
         t = evals["tools"]
