@@ -22,7 +22,9 @@ from tests.checkpoints import (
 from tests.test_model_core import PagedSequence, assert_prompt_matches, hf_logits, new_cache, run_chunks
 from tests.test_mtp import reference_mtp_logits
 
-TOL = 1e-4
+# fp32 rounding: the chunked GDN and the experts' sums run in other orders than transformers'; on an AMX Xeon
+# (other torch kernels) one row of the 27B-ratios case reached 2.1e-4 of logits up to 2.8
+TOL = 3e-4
 
 CASES = {
     # family, shape, config fields, layout, fused experts
