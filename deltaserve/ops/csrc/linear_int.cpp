@@ -55,6 +55,7 @@ int64_t lane_byte(Format f, int64_t i) { return f == Format::kInt8 ? i : (i % 2)
 void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
   q.lanes = kVnni && group % 8 == 0;
+  q.tiles = false, q.ld = 0;
   q.chunks = (K + 63) / 64;
   q.values.clear(), q.bias.clear(), q.lane_group.clear();
   const int64_t C = q.chunks, G = q.groups;
@@ -287,7 +288,7 @@ const QuantizedRows& layout_for(const ActivationRows& a, const WeightPart& p) {
 // x~ = q_x * s_x of every row (values), each group's q_x and s_x those quantize_row gives.
 void dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
-  q.lanes = false, q.chunks = 0;
+  q.lanes = false, q.tiles = false, q.chunks = 0, q.ld = 0;
   q.bytes.clear(), q.scales.clear(), q.bias.clear(), q.lane_group.clear();
   q.values.resize(T * K);
   thread_local std::vector<int8_t> row;
@@ -297,6 +298,20 @@ void dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t gro
     quantize_row(x + t * K, K, group, row.data(), scales.data());
     float* v = q.values.data() + t * K;
     for (int64_t k = 0; k < K; ++k) v[k] = static_cast<float>(row[k]) * scales[k / group];
+  }
+}
+
+// The tile layout (AMX; linear_int.h QuantizedRows): each row's q_x at stride ld = groups x group, zeros past K
+// and in the kTileSlack rows past T.
+void tiles_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
+  q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
+  q.lanes = false, q.tiles = true, q.chunks = 0, q.ld = q.groups * group;
+  q.values.clear(), q.bias.clear(), q.lane_group.clear();
+  q.bytes.assign((T + kTileSlack) * q.ld, 0);
+  q.scales.assign((T + kTileSlack) * q.groups, 0.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    quantize_row(x + t * K, K, group, reinterpret_cast<int8_t*>(q.bytes.data()) + t * q.ld,
+                 q.scales.data() + t * q.groups);
   }
 }
 
@@ -313,7 +328,9 @@ void quantize_activations_into(std::initializer_list<const Linear*> ls, const fl
       if (have) continue;
       if (n == a.layouts.size()) a.layouts.emplace_back();
       QuantizedRows& q = a.layouts[n++];
-      if (T > kIntKernelRows) {
+      if (T >= kAmxRows && amx_step(p.group) > 0 && amx_ready()) {
+        tiles_for(x, T, l->K, p.format, p.group, q);
+      } else if (T > kIntKernelRows) {
         dequantized_for(x, T, l->K, p.format, p.group, q);
       } else {
         quantize_for(x, T, l->K, p.format, p.group, q);
@@ -335,7 +352,18 @@ void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, Act
     const QuantizedRows& f = from.layouts[i];
     QuantizedRows& q = to.layouts[i];
     q.format = f.format, q.group = f.group, q.groups = f.groups, q.K = f.K, q.lanes = f.lanes, q.chunks = f.chunks;
+    q.tiles = f.tiles, q.ld = f.ld;
     q.lane_group.assign(f.lane_group.begin(), f.lane_group.end());
+    if (f.tiles) {  // rows of ld bytes and groups scales, then the slack rows of zeros
+      q.values.clear(), q.bias.clear();
+      q.bytes.assign((n + kTileSlack) * f.ld, 0);
+      q.scales.assign((n + kTileSlack) * f.groups, 0.0f);
+      for (int64_t r = 0; r < n; ++r) {
+        std::copy_n(f.bytes.begin() + rows[r] * f.ld, f.ld, q.bytes.begin() + r * f.ld);
+        std::copy_n(f.scales.begin() + rows[r] * f.groups, f.groups, q.scales.begin() + r * f.groups);
+      }
+      continue;
+    }
     // per row: lanes [chunks, 64] bytes and [chunks, 16] scales (and int4 biases); plain [K] and [groups];
     // prompt rows [K] values
     const int64_t bytes = f.lanes ? f.chunks * 64 : f.K, lanes = f.lanes ? f.chunks * 16 : f.groups;
@@ -363,6 +391,14 @@ void int_panel(const Linear& l, const ActivationRows& a, const float* x, int64_t
       project_panel(l, x + r0 * l.K, r1 - r0, n, count, packed, tile, y, ldo);
     } else {
       const QuantizedRows& q = layout_for(a, p);
+#if defined(DELTASERVE_AMX)
+      if (q.tiles) {  // a prompt chunk where AMX runs
+        amx_part(p, n - l.starts[i], count, q, r0, r1 - r0, y, ldo);
+        n += count;
+        continue;
+      }
+#endif
+      TORCH_CHECK(!q.tiles, "int8 activations: rows laid out for AMX tiles in a build without them");
       if (!q.values.empty()) {  // a prompt chunk: the packed kernel over x~
         project_panel(l, q.values.data() + r0 * l.K, r1 - r0, n, count, packed, tile, y, ldo);
         n += count;

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "linear.h"
+#include "linear_amx.h"
 
 namespace deltaserve {
 
@@ -46,9 +47,15 @@ struct QuantizedRows {
   std::vector<int32_t> bias, lane_group;
   // Prompt chunks (more than kIntKernelRows rows): x~ = q_x * s_x [T, K] instead, for the packed float kernel.
   std::vector<float> values;
+  // Prompt chunks of kAmxRows rows or more where AMX runs (linear_amx.h): the tile layout, bytes
+  // [T + kTileSlack, ld] q_x (ld = groups x group; the last group's columns past K and the rows past T are 0)
+  // and scales [T + kTileSlack, groups].
+  bool tiles = false;
+  int64_t ld = 0;
 };
 
-// From this many rows on, an int8-activation part runs the packed fp32 kernel on x~ = q_x * s_x (what the
+// Prompt chunks: from kAmxRows rows on, where AMX runs and the group allows it, an int8-activation part runs
+// the AMX kernel (linear_amx.h); otherwise, past this many rows, the packed fp32 kernel on x~ = q_x * s_x (what the
 // Python model computes: the same sum up to fp32 rounding) instead of the integer kernel, whose 4 x 2 blocks
 // are compute-bound. Measured on the 0.8B gate_up (7168 x 1024), 1 thread, integer kernel against packed:
 // 16 rows 3.2-5.1x (int8) / 2.2-4.3x (int4); 64 rows 1.25x / 0.91x; 256 rows 0.87x / 0.63x.
@@ -73,7 +80,8 @@ void quantize_activations_into(std::initializer_list<const Linear*> ls, const fl
 void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, ActivationRows& to);
 
 // out[r * ldo + j] = row r0 + r of x times output n0 + j for r < r1 - r0, j < ncols (one panel): the
-// int8-activation parts through the integer kernel, the others through project_panel (packed: its kernel).
+// int8-activation parts through the integer kernel (AMX tiles, VNNI lanes or plain loops, as their rows were
+// quantized) or the packed one over x~, the others through project_panel (packed: its kernel).
 void int_panel(const Linear& l, const ActivationRows& a, const float* x, int64_t r0, int64_t r1, int64_t n0,
                int64_t ncols, bool packed, std::vector<float>& tile, float* out, int64_t ldo);
 

@@ -1,0 +1,86 @@
+"""The AMX-INT8 kernel of int8-activation projections (deltaserve/ops/csrc/linear_amx.h) against the path the
+same call takes without it (the VNNI integer kernel up to INT_KERNEL_ROWS rows, the packed fp32 kernel over
+x~ = q_x * s_x past them), at the Qwen3.5-0.8B projection shapes; and, with --bf16, torch's bf16 matmul (oneDNN,
+which may use AMX-BF16) against the fused step's packed fp32 kernel on bf16 weights.
+
+One process, the two switched with ext.set_amx and timed in alternation, `--rounds` times, the best of each
+kept: compare the ratios (old / new: > 1 means AMX is faster). The machine may be shared; say so with them.
+    python benchmarks/bench_amx.py [--shapes mlp.gate_up_proj] [--rows 16 32 64] [--threads 1 2] [--bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import torch
+from bench_kernels import SHAPES, best_time, repeat_for, stored_projections  # (the benchmarks folder: on the path)
+
+ROWS = (16, 24, 32, 48, 64, 128, 256, 512)
+
+
+def run_int8(ext, shapes: list[str], formats: list[str], rows: list[int], threads: list[int], rounds: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    for shape, fmt, parts in stored_projections(shapes, formats, g):
+        n, k = SHAPES[shape]
+        for t in rows:
+            x = torch.randn(t, k, generator=g)
+            for nthreads in threads:
+                torch.set_num_threads(nthreads)
+                repeat = max(2, repeat_for(t * n * k) // 2)
+                amx = old = float("inf")
+                for _ in range(rounds):
+                    ext.set_amx(True)
+                    amx = min(amx, best_time(partial(ext.linear, x, parts, "int8"), repeat))
+                    ext.set_amx(False)
+                    old = min(old, best_time(partial(ext.linear, x, parts, "int8"), repeat))
+                ext.set_amx(True)
+                gmacs = t * n * k / 1e9
+                print(f"{shape:<22} {fmt.name:<5} rows {t:>4} threads {nthreads}  amx {amx * 1e3:8.3f} ms "
+                      f"({gmacs / amx:6.1f} GMAC/s)  old {old * 1e3:8.3f} ms ({gmacs / old:6.1f} GMAC/s)  "
+                      f"old/amx x{old / amx:5.2f}", flush=True)
+
+
+def run_bf16(ext, shapes: list[str], rows: list[int], threads: list[int], rounds: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    for shape, _, parts in stored_projections(shapes, ["bfloat16"], g):
+        n, k = SHAPES[shape]
+        w = parts[0][0]  # bf16 [N, K]
+        for t in rows:
+            x = torch.randn(t, k, generator=g)
+            for nthreads in threads:
+                torch.set_num_threads(nthreads)
+                repeat = max(2, repeat_for(t * n * k) // 2)
+                ours = theirs = float("inf")
+                for _ in range(rounds):
+                    ours = min(ours, best_time(partial(ext.linear, x, parts, "none"), repeat))
+                    theirs = min(theirs, best_time(lambda x=x, w=w: (x.bfloat16() @ w.T).float(), repeat))
+                gmacs = t * n * k / 1e9
+                print(f"{shape:<22} bf16  rows {t:>4} threads {nthreads}  packed fp32 {ours * 1e3:8.3f} ms "
+                      f"({gmacs / ours:6.1f} GMAC/s)  torch bf16 {theirs * 1e3:8.3f} ms ({gmacs / theirs:6.1f} "
+                      f"GMAC/s)  ours/torch x{ours / theirs:5.2f}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES),
+                        default=["linear_attn.in_proj", "mlp.gate_up_proj", "mlp.down_proj"])
+    parser.add_argument("--formats", nargs="+", choices=["int8", "int4"], default=["int8", "int4"])
+    parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of the two paths")
+    parser.add_argument("--bf16", action="store_true", help="torch's bf16 matmul against the packed fp32 kernel")
+    args = parser.parse_args(argv)
+    from deltaserve.ops.fused_ext import load_extension
+
+    ext = load_extension()
+    if args.bf16:
+        run_bf16(ext, args.shapes, args.rows, args.threads, args.rounds)
+        return
+    if not ext.amx_supported():
+        raise SystemExit("no AMX-INT8 here (CPU, OS permission or compiler)")
+    run_int8(ext, args.shapes, args.formats, args.rows, args.threads, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
