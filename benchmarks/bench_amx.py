@@ -4,17 +4,37 @@ x~ = q_x * s_x past them), at the Qwen3.5-0.8B projection shapes; and, with --bf
 which may use AMX-BF16) against the fused step's packed fp32 kernel on bf16 weights.
 
 One process, the two switched with ext.set_amx and timed in alternation, `--rounds` times, the best of each
-kept: compare the ratios (old / new: > 1 means AMX is faster). The machine may be shared; say so with them.
-    python benchmarks/bench_amx.py [--shapes mlp.gate_up_proj] [--rows 16 32 64] [--threads 1 2] [--bf16]
+kept: compare the ratios (old / new: > 1 means AMX is faster). On one thread the time is the thread's CPU time
+(a shared machine's preemptions do not count; its caches and memory bandwidth still do), on more the wall time.
+AMX takes every row count given (ext.set_amx_rows(1)), so that the threshold can be chosen from the ratios.
+    PYTHONPATH=. python benchmarks/bench_amx.py [--shapes mlp.gate_up_proj] [--rows 16 32 64] [--threads 1 2]
+    PYTHONPATH=. python benchmarks/bench_amx.py --bf16 [--rows 64 512]
 """
 
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Callable
 from functools import partial
 
 import torch
 from bench_kernels import SHAPES, best_time, repeat_for, stored_projections  # (the benchmarks folder: on the path)
+
+
+def cpu_time(fn: Callable[[], object], repeat: int) -> float:
+    """The least thread CPU time of `repeat` calls (after one warm-up), in seconds: one thread's work only."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - start)
+    return best
+
+
+def timer(threads: int) -> Callable[[Callable[[], object], int], float]:
+    return cpu_time if threads == 1 else best_time
 
 ROWS = (16, 24, 32, 48, 64, 128, 256, 512)
 
@@ -29,11 +49,12 @@ def run_int8(ext, shapes: list[str], formats: list[str], rows: list[int], thread
                 torch.set_num_threads(nthreads)
                 repeat = max(2, repeat_for(t * n * k) // 2)
                 amx = old = float("inf")
+                clock = timer(nthreads)
                 for _ in range(rounds):
                     ext.set_amx(True)
-                    amx = min(amx, best_time(partial(ext.linear, x, parts, "int8"), repeat))
+                    amx = min(amx, clock(partial(ext.linear, x, parts, "int8"), repeat))
                     ext.set_amx(False)
-                    old = min(old, best_time(partial(ext.linear, x, parts, "int8"), repeat))
+                    old = min(old, clock(partial(ext.linear, x, parts, "int8"), repeat))
                 ext.set_amx(True)
                 gmacs = t * n * k / 1e9
                 print(f"{shape:<22} {fmt.name:<5} rows {t:>4} threads {nthreads}  amx {amx * 1e3:8.3f} ms "
@@ -52,9 +73,10 @@ def run_bf16(ext, shapes: list[str], rows: list[int], threads: list[int], rounds
                 torch.set_num_threads(nthreads)
                 repeat = max(2, repeat_for(t * n * k) // 2)
                 ours = theirs = float("inf")
+                clock = timer(nthreads)
                 for _ in range(rounds):
-                    ours = min(ours, best_time(partial(ext.linear, x, parts, "none"), repeat))
-                    theirs = min(theirs, best_time(lambda x=x, w=w: (x.bfloat16() @ w.T).float(), repeat))
+                    ours = min(ours, clock(partial(ext.linear, x, parts, "none"), repeat))
+                    theirs = min(theirs, clock(lambda x=x, w=w: (x.bfloat16() @ w.T).float(), repeat))
                 gmacs = t * n * k / 1e9
                 print(f"{shape:<22} bf16  rows {t:>4} threads {nthreads}  packed fp32 {ours * 1e3:8.3f} ms "
                       f"({gmacs / ours:6.1f} GMAC/s)  torch bf16 {theirs * 1e3:8.3f} ms ({gmacs / theirs:6.1f} "
@@ -79,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not ext.amx_supported():
         raise SystemExit("no AMX-INT8 here (CPU, OS permission or compiler)")
+    ext.set_amx_rows(1)
     run_int8(ext, args.shapes, args.formats, args.rows, args.threads, args.rounds)
 
 

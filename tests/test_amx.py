@@ -55,7 +55,7 @@ SHAPES = [(70, 33), (130, 200), (17, 1025), (64, 256), (200, 96)]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
-@pytest.mark.parametrize("rows", [32, 33, 47, 64, 100, 130])
+@pytest.mark.parametrize("rows", [12, 17, 33, 47, 64, 130])
 def test_amx_projection_is_the_scheme(ext, fmt: WeightFormat, rows: int) -> None:
     """Each output is the reference's sum of exact int32 group dots times scale_x x scale_w but for the order
     of its fp32 sums; each row's numbers do not depend on the rows computed with it; switched off, the same
@@ -153,13 +153,16 @@ def test_threads_each_load_their_tiles(ext) -> None:
     assert_matches_the_scheme(one, x, part, 512)
 
 
-def test_moe_mlp_of_a_prompt_chunk(ext) -> None:
-    """The sparse-MoE MLP on a prompt chunk: the router's and shared expert's int8 parts through AMX, against
-    the Python block computing the scheme."""
+@pytest.mark.parametrize("rows", [20, 72])
+def test_moe_mlp(ext, rows: int) -> None:
+    """The sparse-MoE MLP against the Python block computing the scheme: a prompt chunk's router, shared expert
+    and experts (their rows gathered per expert) through AMX; a batched step of at most kExpertParallelRows
+    (32) rows quantizes its rows for the VNNI kernel, whose experts take a few gathered rows each, and only its
+    shared expert's down_proj (all rows) through AMX."""
     from tests.test_moe_decode import decode_block, moe_args
 
-    block, _ = decode_block("int8", seed=40)
-    x = torch.randn(72, block.gate.weight.shape[1])
+    block, _ = decode_block("int8", seed=rows)
+    x = torch.randn(rows, block.gate.weight.shape[1])
     with amx_runs(ext):
         got = ext.moe_mlp(x, *moe_args(block), activation_quantization="int8")
     with torch.no_grad():

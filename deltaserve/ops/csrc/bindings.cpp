@@ -281,6 +281,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx", &set_amx_enabled, "switch the AMX kernel on or off (process-wide); returns the last setting",
         pybind11::arg("on"));
   m.def("amx_panels", &amx_panels, "how many 64-output panels the AMX kernel has computed in this process");
+  m.def("set_amx_rows", &set_amx_min_rows,
+        "the fewest rows that take the AMX kernel (AMX_ROWS unless set; for measurements); returns the last setting",
+        pybind11::arg("rows"));
   m.def("linear_argmax", &linear_argmax_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "torch.argmax of linear(x, parts) per row, without keeping the outputs",
         pybind11::arg("x"), pybind11::arg("parts"), pybind11::arg("activation_quantization") = "none");
