@@ -9,6 +9,10 @@ kept: compare the ratios (old / new: > 1 means AMX is faster). On one thread the
 AMX takes every row count given (ext.set_amx_rows(1)), so that the threshold can be chosen from the ratios.
     PYTHONPATH=. python benchmarks/bench_amx.py [--shapes mlp.gate_up_proj] [--rows 16 32 64] [--threads 1 2]
     PYTHONPATH=. python benchmarks/bench_amx.py --bf16 [--rows 64 512]
+    PYTHONPATH=. python benchmarks/bench_amx.py --prefill int8 --rows 512 --threads 1   # the engine, 0.8B shape
+
+--prefill: the engine on bench_formats.py's random Qwen3.5-0.8B checkpoint (written there once), quantized to
+the format, one prompt of --rows tokens in one chunk, AMX on and off in alternation (2 rounds, the best of each).
 """
 
 from __future__ import annotations
@@ -83,6 +87,39 @@ def run_bf16(ext, shapes: list[str], rows: list[int], threads: list[int], rounds
                       f"GMAC/s)  ours/torch x{ours / theirs:5.2f}", flush=True)
 
 
+def run_prefill(ext, fmt: str, prompt: int, threads: int, rounds: int) -> None:
+    from bench_formats import checkpoint
+
+    from deltaserve.engine.llm import LLM
+    from deltaserve.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    engine = LLM(model=str(checkpoint()), quantization=fmt, num_threads=threads, max_num_seqs=1,
+                 max_model_len=prompt + 16, max_num_batched_tokens=prompt, kv_cache_memory=1 << 30,
+                 enable_prefix_caching=False).engine
+    assert engine.executor.name == "fused-cpu", engine.executor.name
+    clock = time.thread_time if threads == 1 else time.perf_counter
+
+    def prefill(salt: int) -> float:
+        ids = [(7 * i + salt) % 240000 + 10 for i in range(prompt)]
+        engine.add_request(f"r{salt}", ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        start = clock()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return clock() - start
+
+    prefill(0)  # warm-up
+    amx = old = float("inf")
+    for r in range(rounds):
+        ext.set_amx(True)
+        amx = min(amx, prefill(2 * r + 1))
+        ext.set_amx(False)
+        old = min(old, prefill(2 * r + 2))
+    ext.set_amx(True)
+    print(f"prefill {fmt} {prompt} tokens threads {threads}: amx {prompt / amx:6.1f} tok/s  old {prompt / old:6.1f} "
+          f"tok/s  old/amx x{old / amx:5.2f} ({'CPU' if threads == 1 else 'wall'} time)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES),
@@ -92,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the two paths")
     parser.add_argument("--bf16", action="store_true", help="torch's bf16 matmul against the packed fp32 kernel")
+    parser.add_argument("--prefill", choices=["int8", "int4"], help="the engine's prefill at the 0.8B shape")
     args = parser.parse_args(argv)
     from deltaserve.ops.fused_ext import load_extension
 
@@ -101,6 +139,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not ext.amx_supported():
         raise SystemExit("no AMX-INT8 here (CPU, OS permission or compiler)")
+    if args.prefill:
+        for threads in args.threads:
+            for prompt in args.rows:
+                run_prefill(ext, args.prefill, prompt, threads, min(args.rounds, 2))
+        return
     ext.set_amx_rows(1)
     run_int8(ext, args.shapes, args.formats, args.rows, args.threads, args.rounds)
 
