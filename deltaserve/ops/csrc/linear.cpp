@@ -514,7 +514,8 @@ void project_rows(const Linear& l, const float* xp, int64_t R0, int64_t R1, cons
   const int64_t T = R1 - R0, K = l.K, N = l.N, P = (N + kPanel - 1) / kPanel;
   if (T <= 0) return;
   const bool packed = packed_rows(T);
-  const int64_t block = packed || int8_rows.defined() ? kRowBlock : T;  // rows per pass over the weights
+  // rows per pass over the weights
+  const int64_t block = int8_rows.tiled() ? kAmxRowBlock : packed || int8_rows.defined() ? kRowBlock : T;
   std::vector<float> best_value(argmax == nullptr ? 0 : T * P);  // [T, P]: each row's best in each panel
   std::vector<int64_t> best_column(best_value.size());
   for (int64_t r0 = R0; r0 < R1; r0 += block) {

@@ -24,6 +24,36 @@ constexpr bool kVnni = false;
 // bytes are the reference's); an all-zero group has scale 0 and q 0; a group with a NaN or infinity has q 0
 // and scale NaN, so that its outputs are NaN, as they are without activation quantization.
 void quantize_row(const float* x, int64_t K, int64_t group, int8_t* q, float* scales) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  // 16 columns a step (masked at a group's end): the same fp32 division and round-to-nearest-even per value,
+  // so the same bytes (a prompt chunk's quantization was a third of the AMX kernel's time at down_proj's K)
+  const __m512 sign = _mm512_set1_ps(-0.0f), zero = _mm512_setzero_ps();
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
+    const int64_t k1 = std::min(K, k0 + group);
+    __m512 amax = zero;
+    __mmask16 finite = 0xFFFF;
+    for (int64_t k = k0; k < k1; k += 16) {
+      const __mmask16 m = k1 - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (k1 - k)) - 1);
+      const __m512 v = _mm512_maskz_loadu_ps(m, x + k);
+      amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, v));
+      finite &= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), zero, _CMP_EQ_OQ);  // x - x is NaN for NaN and inf
+    }
+    const float scale = _mm512_reduce_max_ps(amax) / 127.0f;
+    const bool ok = finite == 0xFFFF && std::isfinite(scale);
+    scales[g] = ok ? scale : NAN;
+    const __m512 divisor = _mm512_set1_ps(scale);
+    for (int64_t k = k0; k < k1; k += 16) {
+      const __mmask16 m = k1 - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (k1 - k)) - 1);
+      __m512 v = zero;
+      if (ok && scale > 0.0f) {
+        v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(m, x + k), divisor),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-127.0f), v));
+      }
+      _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+  }
+#else
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
     const int64_t k1 = std::min(K, k0 + group);
     float amax = 0.0f;
@@ -40,6 +70,7 @@ void quantize_row(const float* x, int64_t K, int64_t group, int8_t* q, float* sc
       q[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
     }
   }
+#endif
 }
 
 // The column of lane l's first value in chunk c (int8: 4 consecutive columns; int4: the even or the odd
@@ -55,6 +86,7 @@ int64_t lane_byte(Format f, int64_t i) { return f == Format::kInt8 ? i : (i % 2)
 void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
   q.lanes = kVnni && group % 8 == 0;
+  q.tiles = false, q.ld = 0;
   q.chunks = (K + 63) / 64;
   q.values.clear(), q.bias.clear(), q.lane_group.clear();
   const int64_t C = q.chunks, G = q.groups;
@@ -287,7 +319,7 @@ const QuantizedRows& layout_for(const ActivationRows& a, const WeightPart& p) {
 // x~ = q_x * s_x of every row (values), each group's q_x and s_x those quantize_row gives.
 void dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
-  q.lanes = false, q.chunks = 0;
+  q.lanes = false, q.tiles = false, q.chunks = 0, q.ld = 0;
   q.bytes.clear(), q.scales.clear(), q.bias.clear(), q.lane_group.clear();
   q.values.resize(T * K);
   thread_local std::vector<int8_t> row;
@@ -300,8 +332,22 @@ void dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t gro
   }
 }
 
+// The tile layout (AMX; linear_int.h QuantizedRows): each row's q_x at stride ld = groups x group, zeros past K
+// and in the kTileSlack rows past T.
+void tiles_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
+  q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
+  q.lanes = false, q.tiles = true, q.chunks = 0, q.ld = q.groups * group;
+  q.values.clear(), q.bias.clear(), q.lane_group.clear();
+  q.bytes.assign((T + kTileSlack) * q.ld, 0);
+  q.scales.assign((T + kTileSlack) * q.groups, 0.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    quantize_row(x + t * K, K, group, reinterpret_cast<int8_t*>(q.bytes.data()) + t * q.ld,
+                 q.scales.data() + t * q.groups);
+  }
+}
+
 void quantize_activations_into(std::initializer_list<const Linear*> ls, const float* x, int64_t T,
-                               ActivationRows& a) {
+                               ActivationRows& a, bool tiles) {
   size_t n = 0;  // the layouts filled so far (a's first n)
   for (const Linear* l : ls) {
     for (const WeightPart& p : l->parts) {
@@ -313,7 +359,9 @@ void quantize_activations_into(std::initializer_list<const Linear*> ls, const fl
       if (have) continue;
       if (n == a.layouts.size()) a.layouts.emplace_back();
       QuantizedRows& q = a.layouts[n++];
-      if (T > kIntKernelRows) {
+      if (tiles && T >= amx_min_rows() && amx_step(p.group) > 0 && amx_ready()) {
+        tiles_for(x, T, l->K, p.format, p.group, q);
+      } else if (T > kIntKernelRows) {
         dequantized_for(x, T, l->K, p.format, p.group, q);
       } else {
         quantize_for(x, T, l->K, p.format, p.group, q);
@@ -335,7 +383,18 @@ void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, Act
     const QuantizedRows& f = from.layouts[i];
     QuantizedRows& q = to.layouts[i];
     q.format = f.format, q.group = f.group, q.groups = f.groups, q.K = f.K, q.lanes = f.lanes, q.chunks = f.chunks;
+    q.tiles = f.tiles, q.ld = f.ld;
     q.lane_group.assign(f.lane_group.begin(), f.lane_group.end());
+    if (f.tiles) {  // rows of ld bytes and groups scales, then the slack rows of zeros
+      q.values.clear(), q.bias.clear();
+      q.bytes.assign((n + kTileSlack) * f.ld, 0);
+      q.scales.assign((n + kTileSlack) * f.groups, 0.0f);
+      for (int64_t r = 0; r < n; ++r) {
+        std::copy_n(f.bytes.begin() + rows[r] * f.ld, f.ld, q.bytes.begin() + r * f.ld);
+        std::copy_n(f.scales.begin() + rows[r] * f.groups, f.groups, q.scales.begin() + r * f.groups);
+      }
+      continue;
+    }
     // per row: lanes [chunks, 64] bytes and [chunks, 16] scales (and int4 biases); plain [K] and [groups];
     // prompt rows [K] values
     const int64_t bytes = f.lanes ? f.chunks * 64 : f.K, lanes = f.lanes ? f.chunks * 16 : f.groups;
@@ -363,6 +422,14 @@ void int_panel(const Linear& l, const ActivationRows& a, const float* x, int64_t
       project_panel(l, x + r0 * l.K, r1 - r0, n, count, packed, tile, y, ldo);
     } else {
       const QuantizedRows& q = layout_for(a, p);
+#if defined(DELTASERVE_AMX)
+      if (q.tiles) {  // a prompt chunk where AMX runs
+        amx_part(p, n - l.starts[i], count, q, r0, r1 - r0, y, ldo);
+        n += count;
+        continue;
+      }
+#endif
+      TORCH_CHECK(!q.tiles, "int8 activations: rows laid out for AMX tiles in a build without them");
       if (!q.values.empty()) {  // a prompt chunk: the packed kernel over x~
         project_panel(l, q.values.data() + r0 * l.K, r1 - r0, n, count, packed, tile, y, ldo);
         n += count;

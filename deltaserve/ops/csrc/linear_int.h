@@ -17,12 +17,14 @@
 // portable one), compute the same scheme with plain loops, group by group.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
 #include <vector>
 
 #include "linear.h"
+#include "linear_amx.h"
 
 namespace deltaserve {
 
@@ -46,9 +48,16 @@ struct QuantizedRows {
   std::vector<int32_t> bias, lane_group;
   // Prompt chunks (more than kIntKernelRows rows): x~ = q_x * s_x [T, K] instead, for the packed float kernel.
   std::vector<float> values;
+  // kAmxRows rows or more where AMX runs (linear_amx.h): the tile layout, bytes
+  // [T + kTileSlack, ld] q_x (ld = groups x group; the last group's columns past K and the rows past T are 0)
+  // and scales [T + kTileSlack, groups].
+  bool tiles = false;
+  int64_t ld = 0;
 };
 
-// From this many rows on, an int8-activation part runs the packed fp32 kernel on x~ = q_x * s_x (what the
+// From kAmxRows rows on (batched steps and prompt chunks), where AMX runs and the group allows it, an
+// int8-activation part runs the AMX kernel (linear_amx.h); otherwise, past this many rows, the packed fp32
+// kernel on x~ = q_x * s_x (what the
 // Python model computes: the same sum up to fp32 rounding) instead of the integer kernel, whose 4 x 2 blocks
 // are compute-bound. Measured on the 0.8B gate_up (7168 x 1024), 1 thread, integer kernel against packed:
 // 16 rows 3.2-5.1x (int8) / 2.2-4.3x (int4); 64 rows 1.25x / 0.91x; 256 rows 0.87x / 0.63x.
@@ -58,22 +67,27 @@ constexpr int64_t kIntKernelRows = 48;
 struct ActivationRows {
   std::vector<QuantizedRows> layouts;
   bool defined() const { return !layouts.empty(); }
+  bool tiled() const {
+    return std::any_of(layouts.begin(), layouts.end(), [](const QuantizedRows& q) { return q.tiles; });
+  }
 };
 
 ActivationRows quantize_activations(const Linear& l, const float* x, int64_t T);
 
 // x's rows quantized into a for every (format, group) that the int8-activation parts of the projections ls
 // have (one quantization of each row serves them all), a's buffers reused: kept between calls as scratch,
-// it allocates nothing once grown.
+// it allocates nothing once grown. tiles: whether they may take the AMX tile layout (false for rows that will
+// be gathered a few at a time, as the MoE decode path's experts do, where the VNNI kernel is faster).
 void quantize_activations_into(std::initializer_list<const Linear*> ls, const float* x, int64_t T,
-                               ActivationRows& a);
+                               ActivationRows& a, bool tiles = true);
 
 // to = rows rows[0 .. n) of from, in that order (the rows some experts' tokens have, quantized once for all),
 // to's buffers reused.
 void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, ActivationRows& to);
 
 // out[r * ldo + j] = row r0 + r of x times output n0 + j for r < r1 - r0, j < ncols (one panel): the
-// int8-activation parts through the integer kernel, the others through project_panel (packed: its kernel).
+// int8-activation parts through the integer kernel (AMX tiles, VNNI lanes or plain loops, as their rows were
+// quantized) or the packed one over x~, the others through project_panel (packed: its kernel).
 void int_panel(const Linear& l, const ActivationRows& a, const float* x, int64_t r0, int64_t r1, int64_t n0,
                int64_t ncols, bool packed, std::vector<float>& tile, float* out, int64_t ldo);
 

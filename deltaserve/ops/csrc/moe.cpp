@@ -182,7 +182,8 @@ at::Tensor moe_mlp(const MoeDims& d, const MoeWeights& w, const at::Tensor& h, d
   // Experts does). Larger steps quantize each expert's gathered rows (expert_rows: apply).
   const bool few = T <= kExpertParallelRows;
   if (few) {
-    quantize_activations_into({&w.router_shared, &w.gate_up[0]}, hp, T, s.h_rows);
+    // (not in AMX tiles: each expert gathers a few of these rows, which the VNNI kernel takes faster)
+    quantize_activations_into({&w.router_shared, &w.gate_up[0]}, hp, T, s.h_rows, false);
   } else {
     quantize_activations_into({&w.router_shared}, hp, T, s.h_rows);
   }

@@ -1,0 +1,232 @@
+"""The AMX-INT8 kernel of int8-activation projections at prompt-chunk row counts (deltaserve/ops/csrc/linear_amx.h)
+against the scheme's reference (deltaserve/ops/activation_quant.py), through the entry the engine uses: rows
+not a multiple of its 16-row tiles, outputs not a multiple of 16, partial last groups, groups 32 / 64 / 128 and
+others, int8 and int4 weights; each test checks that the AMX kernel ran (its panel counter), so none passes by
+falling back. Then whole steps and the engine's greedy tokens against the torch executor. Skipped where the
+CPU, the OS or the build has no AMX (the portable build never has it)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.ops.activation_quant import fake_quantize, linear_reference
+from deltaserve.ops.formats import WeightFormat
+from deltaserve.ops.fused_ext import load_extension
+from deltaserve.sampling import SamplingParams
+from tests.test_int8_activations import assert_matches_the_scheme
+from tests.test_kernels import fmt_id, spec
+
+
+@pytest.fixture(scope="module")
+def ext():
+    ext = load_extension()
+    if not ext.amx_supported():
+        pytest.skip("no AMX-INT8 here (CPU, OS permission or compiler)")
+    return ext
+
+
+@contextlib.contextmanager
+def amx_runs(ext, expected: bool = True):
+    """Asserts that the AMX kernel computed panels inside the block (or none, expected False)."""
+    before = ext.amx_panels()
+    yield
+    assert (ext.amx_panels() > before) == expected
+
+
+@contextlib.contextmanager
+def amx_off(ext):
+    was = ext.set_amx(False)
+    try:
+        yield
+    finally:
+        ext.set_amx(was)
+
+
+FORMATS = [WeightFormat.of("int8"), WeightFormat.of("int4"), WeightFormat.of("int8", 64), WeightFormat.of("int4", 64),
+           WeightFormat.of("int8", 128), WeightFormat.of("int4", 128), WeightFormat.of("int8", 96),
+           WeightFormat.of("int4", 24)]
+# (N, K): a K below one group, partial last groups, odd K (int4's padded nibble), N not a multiple of 16
+SHAPES = [(70, 33), (130, 200), (17, 1025), (64, 256), (200, 96)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+@pytest.mark.parametrize("rows", [12, 17, 33, 47, 64, 130])
+def test_amx_projection_is_the_scheme(ext, fmt: WeightFormat, rows: int) -> None:
+    """Each output is the reference's sum of exact int32 group dots times scale_x x scale_w but for the order
+    of its fp32 sums; each row's numbers do not depend on the rows computed with it; switched off, the same
+    call takes the path it took before (the packed float kernel over x~ past INT_KERNEL_ROWS rows)."""
+    assert rows >= ext.AMX_ROWS
+    g = torch.Generator().manual_seed(rows)
+    for n_out, k_in in SHAPES:
+        part = spec(torch.randn(n_out, k_in, generator=g), fmt)
+        x = torch.randn(rows, k_in, generator=g) * torch.logspace(-3, 3, rows)[:, None]
+        x[2] = 0.0  # an all-zero row: scale 0
+        with amx_runs(ext):
+            got = ext.linear(x, [part], "int8")
+            head = ext.linear(x[:ext.AMX_ROWS].contiguous(), [part], "int8")
+            tail = ext.linear(x[-ext.AMX_ROWS:].contiguous(), [part], "int8")
+        assert got.shape == (rows, n_out) and got.dtype == torch.float32
+        assert_matches_the_scheme(got, x, part, k_in)
+        assert torch.equal(head, got[:ext.AMX_ROWS]) and torch.equal(tail, got[-ext.AMX_ROWS:])
+        with amx_off(ext), amx_runs(ext, expected=False):
+            before = ext.linear(x, [part], "int8")
+        assert_matches_the_scheme(before, x, part, k_in)
+        if rows > ext.INT_KERNEL_ROWS:
+            assert torch.equal(before, ext.linear(fake_quantize(x, fmt.group), [part], "none"))
+        assert not torch.equal(got, ext.linear(x, [part], "none"))
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.of("int8", 10), WeightFormat.of("int4", 6), WeightFormat.of("int8", 2)],
+                         ids=fmt_id)
+def test_groups_that_are_not_multiples_of_4_keep_their_paths(ext, fmt: WeightFormat) -> None:
+    """TDPBSSD takes K in steps of 4 bytes, one group at a time: other groups do not take the AMX kernel."""
+    g = torch.Generator().manual_seed(2)
+    part = spec(torch.randn(50, 70, generator=g), fmt)
+    x = torch.randn(64, 70, generator=g)
+    with amx_runs(ext, expected=False):
+        got = ext.linear(x, [part], "int8")
+    assert_matches_the_scheme(got, x, part, 70)
+
+
+def test_parts_in_several_formats_in_one_panel(ext) -> None:
+    """int8 and int4 parts (two groups: x quantized for each) with bf16, fp8 and float32 parts in one
+    projection, several ending inside a 64-output panel and inside a 16-output tile."""
+    g = torch.Generator().manual_seed(3)
+    k_in = 200
+    formats = [WeightFormat.of("int8"), WeightFormat.of("bfloat16"), WeightFormat.of("int4", 64),
+               WeightFormat.of("fp8"), WeightFormat.of("float32"), WeightFormat.of("int8")]
+    parts = [spec(torch.randn(n, k_in, generator=g), fmt) for n, fmt in zip((48, 21, 3, 66, 2, 70), formats)]
+    x = torch.randn(77, k_in, generator=g)
+    with amx_runs(ext):
+        got = ext.linear(x, parts, "int8")
+    with amx_off(ext):
+        off = ext.linear(x, parts, "int8")
+    start = 0
+    for part, fmt in zip(parts, formats, strict=True):
+        n = part[0].shape[0]
+        if fmt.name in ("int8", "int4"):
+            assert_matches_the_scheme(got[:, start:start + n], x, part, k_in)
+        else:  # the float parts' numbers are the packed kernel's, AMX or not
+            assert torch.equal(got[:, start:start + n], off[:, start:start + n])
+        start += n
+
+
+def test_non_finite_groups_and_the_fused_argmax(ext) -> None:
+    g = torch.Generator().manual_seed(4)
+    fmt = WeightFormat.of("int4")
+    weight = torch.randn(300, 64, generator=g)
+    weight[250] = weight[10]  # a tie across panels: column 10 wins
+    part = spec(weight, fmt)
+    x = torch.randn(40, 64, generator=g)
+    x[0] = weight[10]
+    x[1, 40] = float("nan")
+    x[2, 3] = float("inf")
+    with amx_runs(ext):
+        got = ext.linear(x, [part], "int8")
+        best = ext.linear_argmax(x, [part], "int8")
+    assert got[1:3].isnan().all() and not got[3:].isnan().any()
+    assert linear_reference(x, *part[:2], fmt, 64)[1:3].isnan().all()
+    assert torch.equal(best, got.argmax(dim=1)) and best[0] == 10
+
+
+def test_threads_each_load_their_tiles(ext) -> None:
+    """Panels split over threads (each loads the tile configuration): the numbers of one thread."""
+    g = torch.Generator().manual_seed(5)
+    part = spec(torch.randn(1000, 512, generator=g), WeightFormat.of("int8"))
+    x = torch.randn(96, 512, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with amx_runs(ext):
+            one = ext.linear(x, [part], "int8")
+        torch.set_num_threads(max(2, threads))
+        with amx_runs(ext):
+            many = ext.linear(x, [part], "int8")
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+    assert_matches_the_scheme(one, x, part, 512)
+
+
+@pytest.mark.parametrize("rows", [20, 72])
+def test_moe_mlp(ext, rows: int) -> None:
+    """The sparse-MoE MLP against the Python block computing the scheme: a prompt chunk's router, shared expert
+    and experts (their rows gathered per expert) through AMX; a batched step of at most kExpertParallelRows
+    (32) rows quantizes its rows for the VNNI kernel, whose experts take a few gathered rows each, and only its
+    shared expert's down_proj (all rows) through AMX."""
+    from tests.test_moe_decode import decode_block, moe_args
+
+    block, _ = decode_block("int8", seed=rows)
+    x = torch.randn(rows, block.gate.weight.shape[1])
+    with amx_runs(ext):
+        got = ext.moe_mlp(x, *moe_args(block), activation_quantization="int8")
+    with torch.no_grad():
+        want = block(x)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+# ---- end to end -------------------------------------------------------------------------------------------
+
+@torch.inference_mode()
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_fused_prompt_chunks_match_the_torch_model(tmp_path, ext, fmt: str) -> None:
+    """A random checkpoint stored in int8 / int4 with int8 activations: a step of two long prompts (more rows
+    than AMX_ROWS) through the fused trunk, against the Python model computing the scheme: hidden states and
+    logits within tolerance, the same greedy tokens. The two executors' inputs to a projection differ by fp32
+    rounding, which now and then rounds one to the neighbouring int8 value (test_fused_step's int8-activation
+    steps); over 115 rows this seed's worst such element is 0.045 off, with or without AMX (0.052 at seed 9
+    without it)."""
+    from deltaserve.executor.fused_cpu.stack import FusedTrunk
+    from deltaserve.model.linear import StoredWeights
+    from deltaserve.model.loader import load_model
+    from tests.checkpoints import TINY, random_hf_model, save_causal_lm_layout
+    from tests.test_fused_step import context, junk_cache, stored_in
+
+    hf = random_hf_model(dict(TINY, hidden_size=64, intermediate_size=96), seed=7, tie=fmt == "int8")
+    _, stored = stored_in(load_model(save_causal_lm_layout(hf, tmp_path), dtype="float32"), WeightFormat.of(fmt))
+    for module in stored.modules():
+        if isinstance(module, StoredWeights):
+            module.activation_quantization = "int8"
+    ref_cache, fused_cache = junk_cache(stored, 0), junk_cache(stored, 0)
+    fused = FusedTrunk(stored, fused_cache, ext)
+    lens = [(70, 0), (45, 0)]
+    ids = torch.randint(0, stored.config.vocab_size, (115,), generator=torch.Generator().manual_seed(8))
+    expected = stored(ids, context(ref_cache, lens))
+    with amx_runs(ext):
+        got = fused(ids, context(fused_cache, lens))
+    torch.testing.assert_close(got, expected, atol=6e-2, rtol=6e-2)
+    logits, want = fused.logits(got), stored.compute_logits(expected)
+    torch.testing.assert_close(logits, want, atol=6e-2, rtol=6e-2)
+    assert torch.equal(fused.greedy_tokens(got), want.argmax(dim=-1))
+
+
+PROMPTS = [list(range(3, 103)), [5, 9, 2, 7, 7, 1, 4, 8, 3, 6, 11] * 5, [17, 3, 40]]  # 100, 55 and 3 tokens
+
+
+def greedy(engine: LLMEngine, max_tokens: int = 8) -> dict[str, list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, params)
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = list(o.outputs[0].token_ids)
+    return out
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_the_engine_gives_the_torch_executors_greedy_tokens(ext, quantization: str) -> None:
+    """The demo checkpoint quantized, int8 activations (the default), prompts in chunks of up to 128 rows:
+    the fused executor (AMX on its prompt chunks) and the torch executor give the same greedy tokens."""
+    options = dict(quantization=quantization, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=128)
+    fused = LLMEngine(EngineConfig(**options))
+    assert fused.executor.name == "fused-cpu" and fused.config.activation_quantization == "int8"
+    with amx_runs(ext):
+        tokens = greedy(fused)
+    assert tokens == greedy(LLMEngine(EngineConfig(enforce_eager=True, **options)))
