@@ -155,6 +155,27 @@ def norm_rows(T: int, n: int, g: torch.Generator) -> torch.Tensor:
     return x * torch.logspace(-4, 1, T)[:, None]
 
 
+def test_gelu_tanh_bf16_in_place_is_gelu_tanh_rounded_once(ext) -> None:
+    """The vision tower's MLP activation on its bf16 product (executor/fused_cpu/vision.py): each value within
+    one bf16 rounding of GELU (tanh) of it, x * sigmoid(2z) in fp64 (the same function as 0.5 x (1 + tanh z),
+    without its cancellation in the negative tail), and of torch's fp32 GELU (tanh) up to that cancellation."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([6 * torch.randn(5000, generator=g), torch.linspace(-12, 12, 3001), torch.tensor(
+        [0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0, 3e38, -3e38, float("inf"), float("-inf"), float("nan")])])
+    x = x.to(torch.bfloat16)
+    out = x.clone()
+    ext.gelu_tanh_bf16_(out)
+    xd = x.double()
+    exact = xd * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (xd + 0.044715 * xd**3))
+    torch.testing.assert_close(out.double(), exact, atol=1e-30, rtol=2**-8, equal_nan=True)
+    torch.testing.assert_close(out.float(), F.gelu(x.float(), approximate="tanh"), atol=1e-6, rtol=2**-8,
+                               equal_nan=True)
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        ext.gelu_tanh_bf16_(x.float())
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        ext.gelu_tanh_bf16_(x[:8000].view(-1, 2)[:, 0])
+
+
 def test_rms_norm_matches_the_model_norm(ext) -> None:
     g = torch.Generator().manual_seed(0)
     for n in (16, 37, 192):

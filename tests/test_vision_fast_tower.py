@@ -5,6 +5,7 @@ one."""
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -30,8 +31,10 @@ class MatmulDtypes(TorchDispatchMode):
         super().__init__()
         self.dtypes: list[torch.dtype] = []
         self.converted: list[tuple[int, ...]] = []
+        self.ops: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func] += 1
         if func in MATMULS:
             self.dtypes.append(args[MATMULS[func]].dtype)
         if func in CONVERSIONS:  # a conversion reaches the dispatcher as `to` under inference mode
@@ -88,6 +91,8 @@ def test_bf16_tower_runs_bf16_dot_products_within_bf16_rounding(hf, tmp_path):
     assert seen.dtypes == [torch.bfloat16] * (1 + 4 * VISION["depth"] + 2)
     # No bias (nor any other 1-D tensor) is converted per call: the biases' bf16 copies are made once.
     assert seen.converted and all(len(shape) > 1 for shape in seen.converted)
+    # torch runs the merger's exact GELU; the blocks' tanh GELU runs in the C++ step's bf16 kernel.
+    assert seen.ops[torch.ops.aten.gelu_.default] == 1 and seen.ops[torch.ops.aten.gelu.default] == 0
     assert fast.dtype == torch.float32 and not torch.equal(fast, reference)
     scale = reference.abs().max().item()
     torch.testing.assert_close(fast, reference, atol=2e-2 * scale, rtol=2e-2)

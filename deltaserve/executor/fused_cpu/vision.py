@@ -7,8 +7,9 @@ bf16 (as the released checkpoints are):
   checkpoint's values, so the copy is exact);
 - each projection's bias is added in the product in bf16, from a copy cast once (not on every call);
 - the residual stream and the LayerNorms stay fp32, as in the reference; the rotary of q and k is computed
-  in fp32 from the bf16 product and written back into it in bf16; the attention and the MLP's activation run
-  in bf16.
+  in fp32 from the bf16 product and written back into it in bf16; the attention runs in bf16 (torch's SDPA),
+  the MLP's activation on its bf16 product, in fp32 maths rounded once (the tanh GELU in the C++ step's
+  kernel, ops/csrc/vision.h: torch's own spends 4x as long in its tanh, longer than the fc1 product on AMX).
 
 Projections in any other format (float32, fp8, int8 / int4 with their activation quantization) run the
 module's own forward, and the patch embedding, rotary and the rest are the reference's, so an fp32 tower
@@ -21,12 +22,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from deltaserve.model.linear import Linear
 from deltaserve.model.vision import Grid, VisionBlock, VisionTower, attend, frame_segments, rotate
+from deltaserve.ops.fused_ext import load_extension
 
 KEPT_FRAME_SIZES = 4  # frame sizes (h, w) whose position embeddings and rotary tables are kept
 
@@ -76,7 +79,8 @@ class FastVisionTower:
     biases and the patch embedding's weight are taken here (the tower's weights do not change under a
     running engine)."""
 
-    def __init__(self, tower: VisionTower) -> None:
+    def __init__(self, tower: VisionTower, ext: ModuleType | None = None) -> None:
+        """ext: the C++ step's module (its bf16 GELU kernel); loaded here when not given and needed."""
         self.tower = tower
         self.blocks = [
             (block, Projection(block.attn.qkv), Projection(block.attn.proj), Projection(block.mlp.linear_fc1),
@@ -87,6 +91,8 @@ class FastVisionTower:
         projections = [p for _, *ps in self.blocks for p in ps] + [self.merger_fc1, self.merger_fc2]
         self.bf16 = all(p.bf16 for p in projections)  # the bf16 scheme, patch embedding included
         self.act_ = _IN_PLACE.get(tower.config.hidden_act)
+        if self.bf16 and tower.config.hidden_act == "gelu_pytorch_tanh":
+            self.act_ = (ext or load_extension()).gelu_tanh_bf16_
         self.patch_weight = self.patch_bias = None
         if self.bf16:
             conv = tower.patch_embed.proj
@@ -139,7 +145,10 @@ class FastVisionTower:
             q, k = rotate(q, tables.cos, tables.sin), rotate(k, tables.cos, tables.sin)
         x.add_(proj(attend(q, k, v, segments).reshape(N, -1)))
         hidden = fc1(block.norm2(x))
-        hidden = block.mlp.act(hidden) if self.act_ is None else self.act_(hidden)
+        if self.act_ is None:
+            hidden = block.mlp.act(hidden)
+        else:
+            self.act_(hidden)  # in place
         return x.add_(fc2(hidden))
 
     def _merge(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@
 #include "moe.h"
 #include "norms.h"
 #include "stack.h"
+#include "vision.h"
 
 using namespace deltaserve;
 
@@ -278,6 +279,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("parts"), pybind11::arg("activation_quantization") = "none");
   m.def("rms_norm", &rms_norm_alone, "x [T, n] * rsqrt(mean(x^2) + eps) * scale (scale = 1 + RMSNorm.weight)");
   m.def("gated_rms_norm", &gated_rms_norm_alone, "x * rsqrt(mean(x^2) + eps) * weight * silu(z) over x's last dim");
+  m.def("gelu_tanh_bf16_", &gelu_tanh_bf16_, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "x <- GELU(x) (tanh approximation) in place on contiguous bf16 (vision.h)");
   m.def("rotary", &rotary_alone, "x [T, heads, head_dim] with rotate-half RoPE on its first 2 len(inv_freq) dims");
   m.def("gdn_recurrence", &gdn_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Gated DeltaNet's conv, recurrence and gated norm on in_proj outputs: (core, verify conv, verify ssm)");
