@@ -13,8 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltaserve import LLM
-from deltaserve.executor.fused_cpu.vision import KEPT_FRAME_SIZES, rotate_qk_
-from deltaserve.model.vision import rotate
+from deltaserve.executor.fused_cpu.vision import KEPT_FRAME_SIZES
 from tests.test_vision_tower import GRIDS, _pixels
 from tests.vision_checkpoint import VISION, random_hf_vision_model, save_vision_checkpoint
 
@@ -103,19 +102,3 @@ def test_int8_tower_runs_the_modules_own_products(hf, tmp_path):
     assert llm.engine.model.visual.blocks[0].mlp.linear_fc1.fmt.name == "int8"
     fast, reference, _ = _encode(llm, _pixels(GRIDS, llm.engine.model.visual.config.patch_dim))
     assert torch.equal(fast, reference)
-
-
-def test_rotate_qk_in_place_is_the_reference_rotary_of_q_and_k():
-    g = torch.Generator().manual_seed(3)
-    N, heads, hd = 37, 3, 16
-    qkv = (4 * torch.randn(N, 3, heads, hd, generator=g)).to(torch.bfloat16)
-    angles = 20 * torch.rand(N, hd // 2, generator=g)
-    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    q, k, v = (qkv[:, i].clone() for i in range(3))
-    rotate_qk_(qkv[:, :2], cos, torch.cat([-sin[:, : hd // 2], sin[:, hd // 2 :]], -1))
-    # The same fp32 products, rounded to bf16 once (a fused multiply-add may move a rounding step;
-    # near zero the fp32 sums themselves may differ by an fp32 step).
-    torch.testing.assert_close(qkv[:, 0], rotate(q, cos, sin), atol=1e-5, rtol=2**-7)
-    torch.testing.assert_close(qkv[:, 1], rotate(k, cos, sin), atol=1e-5, rtol=2**-7)
-    assert torch.equal(qkv[:, 2], v)
-    assert not torch.equal(qkv[:, 0], q)

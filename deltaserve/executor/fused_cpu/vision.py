@@ -6,10 +6,14 @@ bf16 (as the released checkpoints are):
 - the patch embedding is one bf16 matmul too: pixels rounded to bf16, times a bf16 copy of its weight (a bf16
   checkpoint's values, so the copy is exact);
 - each projection's bias is added in the product in bf16, from a copy cast once (not on every call);
-- the residual stream and the LayerNorms stay fp32, as in the reference; the rotary of q and k is computed
-  in fp32 from the bf16 product and written back into it in bf16; the attention runs in bf16 (torch's SDPA),
-  the MLP's activation on its bf16 product, in fp32 maths rounded once (the tanh GELU in the C++ step's
-  kernel, ops/csrc/vision.h: torch's own spends 4x as long in its tanh, longer than the fc1 product on AMX).
+- the residual stream stays fp32, and LayerNorm, rotary and the MLP's activation compute in fp32, as in the
+  reference; what they produce is a projection's input (or the attention's), rounded once to bf16;
+- the attention runs in bf16 (torch's SDPA).
+The element-wise steps between the products run in the C++ step's kernels (ops/csrc/vision.h), one pass each
+over bf16 in / out: the residual add fused with the next LayerNorm, q and k rotated in place in the qkv
+product, the tanh GELU in place. torch's mixed-dtype ops made a converted copy of each operand, and its tanh
+GELU took longer than the fc1 product on an AMX CPU (together about a quarter of the tower, measured
+2026-12-02).
 
 Projections in any other format (float32, fp8, int8 / int4 with their activation quantization) run the
 module's own forward, and the patch embedding, rotary and the rest are the reference's, so an fp32 tower
@@ -26,6 +30,7 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from deltaserve.model.linear import Linear
 from deltaserve.model.vision import Grid, VisionBlock, VisionTower, attend, frame_segments, rotate
@@ -65,22 +70,26 @@ class Tables:
     pos: torch.Tensor  # [N, hidden] fp32: the position embeddings, added to the patch embeddings
     cos: torch.Tensor  # [N, head_dim] fp32
     sin: torch.Tensor  # [N, head_dim] fp32
-    sin_signed: torch.Tensor  # [N, head_dim]: sin with its first half negated (rotate-half's sign folded in)
 
     @staticmethod
     def cat(parts: list[Tables]) -> Tables:
         if len(parts) == 1:
             return parts[0]
-        return Tables(*(torch.cat([getattr(p, f) for p in parts]) for f in ("pos", "cos", "sin", "sin_signed")))
+        return Tables(*(torch.cat([getattr(p, f) for p in parts]) for f in ("pos", "cos", "sin")))
+
+
+def _fp32_norm(norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(weight, bias, eps) as add_layer_norm_bf16 takes them: contiguous fp32 copies."""
+    return norm.weight.detach().float().contiguous(), norm.bias.detach().float().contiguous(), float(norm.eps)
 
 
 class FastVisionTower:
     """VisionTower.forward(pixels, grids) with the scheme above. Made once per engine: the bf16 copies of the
-    biases and the patch embedding's weight are taken here (the tower's weights do not change under a
-    running engine)."""
+    biases and the patch embedding's weight, and fp32 copies of the LayerNorms' (for the kernels), are taken
+    here (the tower's weights do not change under a running engine)."""
 
     def __init__(self, tower: VisionTower, ext: ModuleType | None = None) -> None:
-        """ext: the C++ step's module (its bf16 GELU kernel); loaded here when not given and needed."""
+        """ext: the C++ step's module (the bf16 tower's kernels); loaded here when not given and needed."""
         self.tower = tower
         self.blocks = [
             (block, Projection(block.attn.qkv), Projection(block.attn.proj), Projection(block.mlp.linear_fc1),
@@ -91,10 +100,13 @@ class FastVisionTower:
         projections = [p for _, *ps in self.blocks for p in ps] + [self.merger_fc1, self.merger_fc2]
         self.bf16 = all(p.bf16 for p in projections)  # the bf16 scheme, patch embedding included
         self.act_ = _IN_PLACE.get(tower.config.hidden_act)
-        if self.bf16 and tower.config.hidden_act == "gelu_pytorch_tanh":
-            self.act_ = (ext or load_extension()).gelu_tanh_bf16_
         self.patch_weight = self.patch_bias = None
         if self.bf16:
+            self.ext = ext or load_extension()
+            if tower.config.hidden_act == "gelu_pytorch_tanh":
+                self.act_ = self.ext.gelu_tanh_bf16_
+            self.norms = [(_fp32_norm(block.norm1), _fp32_norm(block.norm2)) for block in tower.blocks]
+            self.merger_norm = _fp32_norm(tower.merger.norm)
             conv = tower.patch_embed.proj
             # [hidden, patch_dim] in the patch's own (C, tp, p, p) order, as PatchEmbed multiplies it
             self.patch_weight = conv.weight.detach().reshape(conv.weight.shape[0], -1).to(torch.bfloat16)
@@ -105,12 +117,11 @@ class FastVisionTower:
         tower = self.tower
         tower.check_pixels(pixels, grids)
         tables = Tables.cat([self._frame_tables(h, w) for t, h, w in grids for _ in range(t)])
+        segments = frame_segments(grids)
         if self.bf16:
             patches = F.linear(pixels.to(torch.bfloat16), self.patch_weight, self.patch_bias)
-        else:
-            patches = tower.patch_embed(pixels)
-        x = (patches + tables.pos).float()  # [N, hidden]: the residual stream, fp32 (fresh: the blocks add in place)
-        segments = frame_segments(grids)
+            return self._bf16_tower((patches + tables.pos).contiguous(), tables, segments)
+        x = (tower.patch_embed(pixels) + tables.pos).float()  # [N, hidden]: fresh, the blocks add in place
         for block in self.blocks:
             x = self._block(*block, x, tables, segments)
         return self._merge(x)
@@ -123,45 +134,49 @@ class FastVisionTower:
             return self._tables[key]
         pos = self.tower.position_embeddings([(1, h, w)])
         cos, sin = self.tower.rotary([(1, h, w)])
-        half = sin.shape[-1] // 2
-        tables = Tables(pos, cos, sin, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1))
+        tables = Tables(pos, cos.contiguous(), sin.contiguous())
         self._tables[key] = tables
         if len(self._tables) > KEPT_FRAME_SIZES:
             self._tables.popitem(last=False)
         return tables
 
+    def _activate_(self, block: VisionBlock, hidden: torch.Tensor) -> torch.Tensor:
+        """The MLP's activation of the fc1 product, in place where it has an in-place form."""
+        if self.act_ is None:
+            return block.mlp.act(hidden)
+        self.act_(hidden)
+        return hidden
+
+    def _bf16_tower(self, x: torch.Tensor, tables: Tables, segments: list[int]) -> torch.Tensor:
+        """The blocks and the merger on bf16 products. x: the residual stream [N, hidden] fp32, added to in
+        place; each block's last product is added with the next LayerNorm (the kernel's y)."""
+        ext = self.ext
+        pending = None
+        for (block, qkv, proj, fc1, fc2), (norm1, norm2) in zip(self.blocks, self.norms, strict=True):
+            a = block.attn
+            N = x.shape[0]
+            qkv_out = qkv(ext.add_layer_norm_bf16(x, pending, *norm1)).view(N, 3, a.num_heads, a.head_dim)
+            ext.rotary_qk_bf16_(qkv_out, tables.cos, tables.sin)
+            attended = proj(attend(*qkv_out.unbind(1), segments).reshape(N, -1))
+            hidden = self._activate_(block, fc1(ext.add_layer_norm_bf16(x, attended, *norm2)))
+            pending = fc2(hidden)
+        merger = self.tower.merger
+        merged = ext.add_layer_norm_bf16(x, pending, *self.merger_norm).view(-1, merger.merged)
+        return self.merger_fc2(torch.ops.aten.gelu_(self.merger_fc1(merged))).float()
+
     def _block(self, block: VisionBlock, qkv: Projection, proj: Projection, fc1: Projection, fc2: Projection,
                x: torch.Tensor, tables: Tables, segments: list[int]) -> torch.Tensor:
-        """VisionBlock.forward with the projections' products; x (the residual stream, fp32) is added to in
-        place."""
+        """VisionBlock.forward with the projections' products (any formats); x (the residual stream, fp32) is
+        added to in place."""
         a = block.attn
         N = x.shape[0]
-        qkv_out = qkv(block.norm1(x)).view(N, 3, a.num_heads, a.head_dim)
-        if qkv_out.dtype == torch.bfloat16:
-            rotate_qk_(qkv_out[:, :2], tables.cos, tables.sin_signed)
-            q, k, v = qkv_out.unbind(1)
-        else:
-            q, k, v = qkv_out.unbind(1)
-            q, k = rotate(q, tables.cos, tables.sin), rotate(k, tables.cos, tables.sin)
+        q, k, v = qkv(block.norm1(x)).view(N, 3, a.num_heads, a.head_dim).unbind(1)
+        q, k = rotate(q, tables.cos, tables.sin), rotate(k, tables.cos, tables.sin)
         x.add_(proj(attend(q, k, v, segments).reshape(N, -1)))
-        hidden = fc1(block.norm2(x))
-        if self.act_ is None:
-            hidden = block.mlp.act(hidden)
-        else:
-            self.act_(hidden)  # in place
-        return x.add_(fc2(hidden))
+        return x.add_(fc2(self._activate_(block, fc1(block.norm2(x)))))
 
     def _merge(self, x: torch.Tensor) -> torch.Tensor:
         """PatchMerger.forward with the projections' products; fp32 out."""
         merger = self.tower.merger
         hidden = self.merger_fc1(merger.norm(x).view(-1, merger.merged))
         return self.merger_fc2(torch.ops.aten.gelu_(hidden)).float()
-
-
-def rotate_qk_(qk: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
-    """model/vision.py's rotate of q and k at once, in place: qk [N, 2, heads, head_dim] (bf16, a view into the
-    qkv product) <- qk * cos + rotate_half(qk) * sin, computed in fp32 and stored in bf16."""
-    half = qk.shape[-1] // 2
-    swapped = torch.cat([qk[..., half:], qk[..., :half]], dim=-1)  # [N, 2, heads, head_dim] bf16
-    cos, sin_signed = cos[:, None, None], sin_signed[:, None, None]
-    torch.addcmul(qk * cos, swapped, sin_signed, out=qk)
