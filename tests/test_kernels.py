@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from deltaserve.model.gdn import l2norm
 from deltaserve.model.layers import GatedRMSNorm, RMSNorm, RotaryEmbedding
+from deltaserve.model.vision import rotate as vision_rotate
 from deltaserve.ops.attention import decode_attention, prefill_attention, quantize_fp8
 from deltaserve.ops.conv import causal_conv1d_reference
 from deltaserve.ops.delta_rule import delta_rule_reference
@@ -153,6 +154,67 @@ def norm_rows(T: int, n: int, g: torch.Generator) -> torch.Tensor:
     """Rows of every scale, down to ones whose mean square is near eps (where eps decides the result)."""
     x = torch.randn(T, n, generator=g)
     return x * torch.logspace(-4, 1, T)[:, None]
+
+
+def test_gelu_tanh_bf16_in_place_is_gelu_tanh_rounded_once(ext) -> None:
+    """The vision tower's MLP activation on its bf16 product (executor/fused_cpu/vision.py): each value within
+    one bf16 rounding of GELU (tanh) of it, x * sigmoid(2z) in fp64 (the same function as 0.5 x (1 + tanh z),
+    without its cancellation in the negative tail), and of torch's fp32 GELU (tanh) up to that cancellation."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([6 * torch.randn(5000, generator=g), torch.linspace(-12, 12, 3001), torch.tensor(
+        [0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0, 3e38, -3e38, float("inf"), float("-inf"), float("nan")])])
+    x = x.to(torch.bfloat16)
+    out = x.clone()
+    ext.gelu_tanh_bf16_(out)
+    xd = x.double()
+    exact = xd * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (xd + 0.044715 * xd**3))
+    torch.testing.assert_close(out.double(), exact, atol=1e-30, rtol=2**-8, equal_nan=True)
+    torch.testing.assert_close(out.float(), F.gelu(x.float(), approximate="tanh"), atol=1e-6, rtol=2**-8,
+                               equal_nan=True)
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        ext.gelu_tanh_bf16_(x.float())
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        ext.gelu_tanh_bf16_(x[:8000].view(-1, 2)[:, 0])
+
+
+def test_rotary_qk_bf16_in_place_is_the_vision_rotary_of_q_and_k(ext) -> None:
+    """q and k of the vision tower's bf16 qkv product rotated in place: model/vision.py's rotate of each (fp32
+    maths, rounded to bf16 once; a fused multiply-add may move a rounding step), v untouched."""
+    g = torch.Generator().manual_seed(3)
+    N, heads, hd = 37, 3, 16
+    qkv = (4 * torch.randn(N, 3, heads, hd, generator=g)).to(torch.bfloat16)
+    angles = 20 * torch.rand(N, hd // 2, generator=g)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    q, k, v = (qkv[:, i].clone() for i in range(3))
+    ext.rotary_qk_bf16_(qkv, cos, sin)
+    torch.testing.assert_close(qkv[:, 0], vision_rotate(q, cos, sin), atol=1e-5, rtol=2**-7)
+    torch.testing.assert_close(qkv[:, 1], vision_rotate(k, cos, sin), atol=1e-5, rtol=2**-7)
+    assert torch.equal(qkv[:, 2], v) and not torch.equal(qkv[:, 0], q)
+    with pytest.raises(RuntimeError, match="qkv: \\[N, 3, heads, head_dim\\]"):
+        ext.rotary_qk_bf16_(qkv[:, :2].contiguous(), cos, sin)
+    with pytest.raises(RuntimeError, match="cos, sin"):
+        ext.rotary_qk_bf16_(qkv, cos[:-1].contiguous(), sin[:-1].contiguous())
+
+
+def test_add_layer_norm_bf16_adds_the_product_then_normalizes_like_torch(ext) -> None:
+    """The vision tower's residual add and LayerNorm: x += y in place (the fp32 sum torch's add_ makes), then
+    torch's LayerNorm of x rounded to bf16 (within a rounding step: the mean and variance sum in another order)."""
+    g = torch.Generator().manual_seed(4)
+    T, n = 29, 200
+    x = 3 * torch.randn(T, n, generator=g) + 1
+    y = torch.randn(T, n, generator=g).to(torch.bfloat16)
+    weight, bias = 1 + 0.1 * torch.randn(n, generator=g), 0.1 * torch.randn(n, generator=g)
+    expected_x = x + y.float()
+    expected = F.layer_norm(expected_x, (n,), weight, bias, 1e-6)
+    got = ext.add_layer_norm_bf16(x, y, weight, bias, 1e-6)
+    assert torch.equal(x, expected_x) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, atol=1e-5, rtol=2**-7)
+    alone = ext.add_layer_norm_bf16(x, None, weight, bias, 1e-6)  # no product to add: x unchanged
+    assert torch.equal(x, expected_x) and torch.equal(alone, got)
+    with pytest.raises(RuntimeError, match="y: the shape of x"):
+        ext.add_layer_norm_bf16(x, y[:, :-1].contiguous(), weight, bias, 1e-6)
+    with pytest.raises(RuntimeError, match="weight, bias"):
+        ext.add_layer_norm_bf16(x, y, weight[:-1].contiguous(), bias[:-1].contiguous(), 1e-6)
 
 
 def test_rms_norm_matches_the_model_norm(ext) -> None:

@@ -1,9 +1,11 @@
 """The fused executor's vision tower (deltaserve/executor/fused_cpu/vision.py) against the torch tower it reads
 (model/vision.py, the reference) and transformers: the same numbers for an fp32 checkpoint, bf16 dot products
-within bf16's rounding for a bf16 one, and the module's own forward for a quantized one."""
+within bf16's rounding for a bf16 one (patch embedding included), and the module's own forward for a quantized
+one."""
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -11,23 +13,33 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltaserve import LLM
+from deltaserve.executor.fused_cpu.vision import KEPT_FRAME_SIZES
 from tests.test_vision_tower import GRIDS, _pixels
 from tests.vision_checkpoint import VISION, random_hf_vision_model, save_vision_checkpoint
 
 # Each matrix product's op (under inference mode a linear reaches the dispatcher whole) -> its weight argument.
 MATMULS = {torch.ops.aten.linear.default: 1, torch.ops.aten.addmm.default: 2, torch.ops.aten.mm.default: 1}
+CONVERSIONS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default)
 
 
 class MatmulDtypes(TorchDispatchMode):
-    """Records the dtype of every matrix product that runs under it."""
+    """Records the dtype of every matrix product that runs under it, and the shape of every tensor converted
+    to another dtype."""
 
     def __init__(self) -> None:
         super().__init__()
         self.dtypes: list[torch.dtype] = []
+        self.converted: list[tuple[int, ...]] = []
+        self.ops: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func] += 1
         if func in MATMULS:
             self.dtypes.append(args[MATMULS[func]].dtype)
+        if func in CONVERSIONS:  # a conversion reaches the dispatcher as `to` under inference mode
+            target = args[1] if func is torch.ops.aten.to.dtype else (kwargs or {}).get("dtype")
+            if target is not None and target != args[0].dtype:
+                self.converted.append(tuple(args[0].shape))
         return func(*args, **(kwargs or {}))
 
 
@@ -36,26 +48,36 @@ def hf():
     return random_hf_vision_model(seed=5)
 
 
-def _encode(llm: LLM, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.dtype]]:
-    """(the executor's tower output, the torch reference's, the dtypes of the executor's matrix products)."""
+def _encode(llm: LLM, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, MatmulDtypes]:
+    """(the executor's tower output, the torch reference's, what the executor's tower ran on a second call: the
+    first makes the grids' position tables)."""
     engine = llm.engine
     assert engine.executor.name == "fused-cpu"
     with torch.inference_mode():
+        engine.executor.encode_images(pixels, GRIDS)
         with MatmulDtypes() as seen:
             fast = engine.executor.encode_images(pixels, GRIDS)
         reference = engine.model.encode_images(pixels, GRIDS)
-    return fast, reference, seen.dtypes
+    return fast, reference, seen
 
 
 def test_fp32_tower_gives_the_reference_numbers_and_transformers(hf, tmp_path):
     llm = LLM(str(save_vision_checkpoint(hf, tmp_path / "ck")), enable_prefix_caching=False)
     pixels = _pixels(GRIDS, llm.engine.model.visual.config.patch_dim)
-    fast, reference, dtypes = _encode(llm, pixels)
+    fast, reference, seen = _encode(llm, pixels)
     assert torch.equal(fast, reference)
-    assert set(dtypes) == {torch.float32}
+    assert set(seen.dtypes) == {torch.float32}
     with torch.no_grad():
         theirs = hf.model.visual(pixels, grid_thw=torch.tensor(GRIDS)).pooler_output
     torch.testing.assert_close(fast, theirs, atol=2e-5, rtol=1e-4)
+    # The frame sizes' kept tables give the same numbers again; more sizes than are kept evict the oldest.
+    model, tower = llm.engine.model, llm.engine.executor._vision
+    with torch.inference_mode():
+        assert torch.equal(llm.engine.executor.encode_images(pixels, GRIDS), reference)
+        for grid in [(1, 2, 2), (2, 2, 4), (1, 4, 2), (1, 4, 4), (1, 6, 2), (1, 2, 2)]:
+            one = _pixels([grid], model.visual.config.patch_dim, seed=1)
+            assert torch.equal(tower(one, [grid]), model.encode_images(one, [grid]))
+    assert len(tower._tables) == KEPT_FRAME_SIZES
 
 
 def test_bf16_tower_runs_bf16_dot_products_within_bf16_rounding(hf, tmp_path):
@@ -63,10 +85,13 @@ def test_bf16_tower_runs_bf16_dot_products_within_bf16_rounding(hf, tmp_path):
     llm = LLM(str(path), enable_prefix_caching=False)
     visual = llm.engine.model.visual
     assert visual.blocks[0].attn.qkv.weight.dtype == torch.bfloat16  # stored as the checkpoint has it
-    fast, reference, dtypes = _encode(llm, _pixels(GRIDS, visual.config.patch_dim))
-    # Every projection (4 per block, the merger's 2) in bf16; the patch embedding (kept fp32) and nothing else.
-    assert dtypes.count(torch.bfloat16) == 4 * VISION["depth"] + 2
-    assert dtypes.count(torch.float32) == 1
+    fast, reference, seen = _encode(llm, _pixels(GRIDS, visual.config.patch_dim))
+    # Every product in bf16: the patch embedding, 4 projections per block, the merger's 2.
+    assert seen.dtypes == [torch.bfloat16] * (1 + 4 * VISION["depth"] + 2)
+    # No bias (nor any other 1-D tensor) is converted per call: the biases' bf16 copies are made once.
+    assert seen.converted and all(len(shape) > 1 for shape in seen.converted)
+    # torch runs the merger's exact GELU; the blocks' tanh GELU runs in the C++ step's bf16 kernel.
+    assert seen.ops[torch.ops.aten.gelu_.default] == 1 and seen.ops[torch.ops.aten.gelu.default] == 0
     assert fast.dtype == torch.float32 and not torch.equal(fast, reference)
     scale = reference.abs().max().item()
     torch.testing.assert_close(fast, reference, atol=2e-2 * scale, rtol=2e-2)

@@ -145,16 +145,19 @@ class VisionTower(nn.Module):
                                                                       list[int]]:
         """What the blocks take: patch embeddings plus positions [N, hidden], the rotary's cos and sin, and the
         attention segments (one per frame of each image)."""
+        self.check_pixels(pixels, grids)
+        x = self.patch_embed(pixels)
+        x = x + self.position_embeddings(grids).to(x.dtype)
+        cos, sin = self.rotary(grids)
+        return x, cos, sin, frame_segments(grids)
+
+    def check_pixels(self, pixels: torch.Tensor, grids: list[Grid]) -> None:
         expected = sum(t * h * w for t, h, w in grids)
         if pixels.shape != (expected, self.config.patch_dim):
             raise ValueError(
                 f"pixel values have shape {tuple(pixels.shape)}, expected ({expected}, {self.config.patch_dim}) "
                 f"for grids {grids}"
             )
-        x = self.patch_embed(pixels)
-        x = x + self.position_embeddings(grids).to(x.dtype)
-        cos, sin = self.rotary(grids)
-        return x, cos, sin, [h * w for t, h, w in grids for _ in range(t)]
 
     def _merge_order(self, grid_values: torch.Tensor, h: int, w: int) -> torch.Tensor:
         """A per-patch [h, w, ...] grid -> [h*w, ...] rows in merge-block order (block rows, block cols, m, m)."""
@@ -183,6 +186,11 @@ class VisionTower(nn.Module):
         freqs = torch.cat([p[:, :1] * self.inv_freq, p[:, 1:] * self.inv_freq], dim=-1)  # [N, head_dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
+
+
+def frame_segments(grids: list[Grid]) -> list[int]:
+    """The attention segments of `grids`' patches: one per frame of each image, h * w rows each."""
+    return [h * w for t, h, w in grids for _ in range(t)]
 
 
 def _bilinear_matrix(size: int, side: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from deltaserve.executor.base import Executor, Rows
 from deltaserve.executor.fused_cpu.stack import FusedMTP, FusedTrunk
-from deltaserve.executor.fused_cpu.vision import encode_images
+from deltaserve.executor.fused_cpu.vision import FastVisionTower
 from deltaserve.model.context import CacheTensors, ForwardContext
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 
@@ -23,6 +23,7 @@ class FusedCPUExecutor(Executor):
         self.trunk = FusedTrunk(model, cache)
         # Its vision tower (if any) runs in torch, once per image, not once per step: fused_cpu/vision.py.
         self._model = model
+        self._vision = None if model.visual is None else FastVisionTower(model.visual)
         self.shard = model.shard  # tensor parallelism: the stacks all-reduce in it; logits are gathered here
         self.vocab_size = model.config.vocab_size
         self._mtp = None
@@ -62,9 +63,9 @@ class FusedCPUExecutor(Executor):
         return self._mtp(next_token_ids, hidden, ctx, step=step)
 
     def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
-        if self._model.visual is None:
+        if self._vision is None:
             return self._model.encode_images(pixels, grids)  # its error: the model has no tower
-        return encode_images(self._model.visual, pixels, grids)
+        return self._vision(pixels, grids)
 
     def commit_verified(self, ctx: ForwardContext, accepted: list[int]) -> None:
         self.trunk.commit_verified(ctx, accepted)

@@ -1,52 +1,182 @@
 """The fused executor's vision tower: model/vision.py's VisionTower (the reference; its modules and weights are
 read where they are) with each projection whose weight is stored in bfloat16 run as bf16 dot products: its
-input rounded to bf16, multiplied by the stored bf16 weight in torch's oneDNN kernels (AVX512-BF16 on this
-CPU: 2-2.5x torch's fp32 matmul at the tower's shapes, and about 3x the C++ stack's packed kernels, which
-widen the weights to fp32; measured 2026-12-01, docs/benchmarks.md "Vision vs transformers"), its output in
-bf16. The residual stream, the LayerNorms and the rotary stay fp32, as in the reference; the attention and
-the MLP's activation run in the projections' dtype.
+input rounded to bf16, multiplied by the stored bf16 weight in torch's oneDNN kernels (AVX512-BF16, or AMX
+where the CPU has it), its output in bf16. The bf16 scheme, for a tower whose projections are all stored in
+bf16 (as the released checkpoints are):
+- the patch embedding is one bf16 matmul too: pixels rounded to bf16, times a bf16 copy of its weight (a bf16
+  checkpoint's values, so the copy is exact);
+- each projection's bias is added in the product in bf16, from a copy cast once (not on every call);
+- the residual stream stays fp32, and LayerNorm, rotary and the MLP's activation compute in fp32, as in the
+  reference; what they produce is a projection's input (or the attention's), rounded once to bf16;
+- the attention runs in bf16 (torch's SDPA).
+The element-wise steps between the products run in the C++ step's kernels (ops/csrc/vision.h), one pass each
+over bf16 in / out: the residual add fused with the next LayerNorm, q and k rotated in place in the qkv
+product, the tanh GELU in place. torch's mixed-dtype ops made a converted copy of each operand, and its tanh
+GELU took longer than the fc1 product on an AMX CPU (together about a quarter of the tower, measured
+2026-12-02).
 
 Projections in any other format (float32, fp8, int8 / int4 with their activation quantization) run the
-module's own forward, so an fp32 tower gives the reference's numbers exactly."""
+module's own forward, and the patch embedding, rotary and the rest are the reference's, so an fp32 tower
+gives the reference's numbers exactly.
+
+A frame size's position embeddings and rotary tables (the same numbers every time: a bilinear resampling of
+the learned grid and the cos / sin of its positions) are kept for the last few sizes seen."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import dataclass
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from deltaserve.model.linear import Linear
-from deltaserve.model.vision import Grid, PatchMerger, VisionBlock, VisionTower, attend, rotate
+from deltaserve.model.vision import Grid, VisionBlock, VisionTower, attend, frame_segments, rotate
+from deltaserve.ops.fused_ext import load_extension
+
+KEPT_FRAME_SIZES = 4  # frame sizes (h, w) whose position embeddings and rotary tables are kept
+
+# The MLP activations that have an in-place form (the product's fresh output is overwritten, not copied).
+_IN_PLACE = {
+    "gelu_pytorch_tanh": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+    "gelu": torch.ops.aten.gelu_,
+    "silu": torch.ops.aten.silu_,
+}
 
 
-def project(module: Linear, x: torch.Tensor) -> torch.Tensor:
-    """module(x) as the fast tower computes it: bf16 dot products (bf16 out) for a bf16-stored weight, else the
-    module's forward on fp32 input (fp32 out)."""
-    if module.fmt.name == "bfloat16":
-        bias = None if module.bias is None else module.bias.to(torch.bfloat16)
-        return F.linear(x.to(torch.bfloat16), module.weight, bias)
-    return module(x.float())
+class Projection:
+    """One Linear as the fast tower multiplies: bf16 dot products (bf16 out, the bias cast to bf16 once) for a
+    bf16-stored weight, else the module's own forward on fp32 input (fp32 out)."""
+
+    __slots__ = ("module", "bf16", "bias")
+
+    def __init__(self, module: Linear) -> None:
+        self.module = module
+        self.bf16 = module.fmt.name == "bfloat16"
+        self.bias = None if module.bias is None or not self.bf16 else module.bias.detach().to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16:
+            return F.linear(x.to(torch.bfloat16), self.module.weight, self.bias)
+        return self.module(x.float())
 
 
-def _block(block: VisionBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]
-           ) -> torch.Tensor:
-    """VisionBlock.forward with `project`'s products; x (the residual stream) stays fp32."""
-    a, mlp = block.attn, block.mlp
-    N = x.shape[0]
-    q, k, v = project(a.qkv, block.norm1(x)).view(N, 3, a.num_heads, a.head_dim).unbind(1)
-    attended = attend(rotate(q, cos, sin), rotate(k, cos, sin), v, segments)
-    x = x + project(a.proj, attended.reshape(N, -1)).float()
-    return x + project(mlp.linear_fc2, mlp.act(project(mlp.linear_fc1, block.norm2(x)))).float()
+@dataclass(slots=True)
+class Tables:
+    """What the blocks read about the patches' positions, for a list of grids."""
+
+    pos: torch.Tensor  # [N, hidden] fp32: the position embeddings, added to the patch embeddings
+    cos: torch.Tensor  # [N, head_dim] fp32
+    sin: torch.Tensor  # [N, head_dim] fp32
+
+    @staticmethod
+    def cat(parts: list[Tables]) -> Tables:
+        if len(parts) == 1:
+            return parts[0]
+        return Tables(*(torch.cat([getattr(p, f) for p in parts]) for f in ("pos", "cos", "sin")))
 
 
-def _merge(merger: PatchMerger, x: torch.Tensor) -> torch.Tensor:
-    """PatchMerger.forward with `project`'s products; fp32 out."""
-    merged = merger.norm(x).view(-1, merger.merged)
-    return project(merger.linear_fc2, F.gelu(project(merger.linear_fc1, merged))).float()
+def _fp32_norm(norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(weight, bias, eps) as add_layer_norm_bf16 takes them: contiguous fp32 copies."""
+    return norm.weight.detach().float().contiguous(), norm.bias.detach().float().contiguous(), float(norm.eps)
 
 
-def encode_images(tower: VisionTower, pixels: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
-    """VisionTower.forward(pixels, grids), with bf16-stored projections as bf16 dot products."""
-    x, cos, sin, segments = tower.embed(pixels, grids)
-    for block in tower.blocks:
-        x = _block(block, x, cos, sin, segments)
-    return _merge(tower.merger, x)
+class FastVisionTower:
+    """VisionTower.forward(pixels, grids) with the scheme above. Made once per engine: the bf16 copies of the
+    biases and the patch embedding's weight, and fp32 copies of the LayerNorms' (for the kernels), are taken
+    here (the tower's weights do not change under a running engine)."""
+
+    def __init__(self, tower: VisionTower, ext: ModuleType | None = None) -> None:
+        """ext: the C++ step's module (the bf16 tower's kernels); loaded here when not given and needed."""
+        self.tower = tower
+        self.blocks = [
+            (block, Projection(block.attn.qkv), Projection(block.attn.proj), Projection(block.mlp.linear_fc1),
+             Projection(block.mlp.linear_fc2))
+            for block in tower.blocks
+        ]
+        self.merger_fc1, self.merger_fc2 = Projection(tower.merger.linear_fc1), Projection(tower.merger.linear_fc2)
+        projections = [p for _, *ps in self.blocks for p in ps] + [self.merger_fc1, self.merger_fc2]
+        self.bf16 = all(p.bf16 for p in projections)  # the bf16 scheme, patch embedding included
+        self.act_ = _IN_PLACE.get(tower.config.hidden_act)
+        self.patch_weight = self.patch_bias = None
+        if self.bf16:
+            self.ext = ext or load_extension()
+            if tower.config.hidden_act == "gelu_pytorch_tanh":
+                self.act_ = self.ext.gelu_tanh_bf16_
+            self.norms = [(_fp32_norm(block.norm1), _fp32_norm(block.norm2)) for block in tower.blocks]
+            self.merger_norm = _fp32_norm(tower.merger.norm)
+            conv = tower.patch_embed.proj
+            # [hidden, patch_dim] in the patch's own (C, tp, p, p) order, as PatchEmbed multiplies it
+            self.patch_weight = conv.weight.detach().reshape(conv.weight.shape[0], -1).to(torch.bfloat16)
+            self.patch_bias = None if conv.bias is None else conv.bias.detach().to(torch.bfloat16)
+        self._tables: OrderedDict[tuple[int, int], Tables] = OrderedDict()
+
+    def __call__(self, pixels: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
+        tower = self.tower
+        tower.check_pixels(pixels, grids)
+        tables = Tables.cat([self._frame_tables(h, w) for t, h, w in grids for _ in range(t)])
+        segments = frame_segments(grids)
+        if self.bf16:
+            patches = F.linear(pixels.to(torch.bfloat16), self.patch_weight, self.patch_bias)
+            return self._bf16_tower((patches + tables.pos).contiguous(), tables, segments)
+        x = (tower.patch_embed(pixels) + tables.pos).float()  # [N, hidden]: fresh, the blocks add in place
+        for block in self.blocks:
+            x = self._block(*block, x, tables, segments)
+        return self._merge(x)
+
+    def _frame_tables(self, h: int, w: int) -> Tables:
+        """One frame's tables (the reference's position_embeddings and rotary for an (1, h, w) grid)."""
+        key = (h, w)
+        if key in self._tables:
+            self._tables.move_to_end(key)
+            return self._tables[key]
+        pos = self.tower.position_embeddings([(1, h, w)])
+        cos, sin = self.tower.rotary([(1, h, w)])
+        tables = Tables(pos, cos.contiguous(), sin.contiguous())
+        self._tables[key] = tables
+        if len(self._tables) > KEPT_FRAME_SIZES:
+            self._tables.popitem(last=False)
+        return tables
+
+    def _activate_(self, block: VisionBlock, hidden: torch.Tensor) -> torch.Tensor:
+        """The MLP's activation of the fc1 product, in place where it has an in-place form."""
+        if self.act_ is None:
+            return block.mlp.act(hidden)
+        self.act_(hidden)
+        return hidden
+
+    def _bf16_tower(self, x: torch.Tensor, tables: Tables, segments: list[int]) -> torch.Tensor:
+        """The blocks and the merger on bf16 products. x: the residual stream [N, hidden] fp32, added to in
+        place; each block's last product is added with the next LayerNorm (the kernel's y)."""
+        ext = self.ext
+        pending = None
+        for (block, qkv, proj, fc1, fc2), (norm1, norm2) in zip(self.blocks, self.norms, strict=True):
+            a = block.attn
+            N = x.shape[0]
+            qkv_out = qkv(ext.add_layer_norm_bf16(x, pending, *norm1)).view(N, 3, a.num_heads, a.head_dim)
+            ext.rotary_qk_bf16_(qkv_out, tables.cos, tables.sin)
+            attended = proj(attend(*qkv_out.unbind(1), segments).reshape(N, -1))
+            hidden = self._activate_(block, fc1(ext.add_layer_norm_bf16(x, attended, *norm2)))
+            pending = fc2(hidden)
+        merger = self.tower.merger
+        merged = ext.add_layer_norm_bf16(x, pending, *self.merger_norm).view(-1, merger.merged)
+        return self.merger_fc2(torch.ops.aten.gelu_(self.merger_fc1(merged))).float()
+
+    def _block(self, block: VisionBlock, qkv: Projection, proj: Projection, fc1: Projection, fc2: Projection,
+               x: torch.Tensor, tables: Tables, segments: list[int]) -> torch.Tensor:
+        """VisionBlock.forward with the projections' products (any formats); x (the residual stream, fp32) is
+        added to in place."""
+        a = block.attn
+        N = x.shape[0]
+        q, k, v = qkv(block.norm1(x)).view(N, 3, a.num_heads, a.head_dim).unbind(1)
+        q, k = rotate(q, tables.cos, tables.sin), rotate(k, tables.cos, tables.sin)
+        x.add_(proj(attend(q, k, v, segments).reshape(N, -1)))
+        return x.add_(fc2(self._activate_(block, fc1(block.norm2(x)))))
+
+    def _merge(self, x: torch.Tensor) -> torch.Tensor:
+        """PatchMerger.forward with the projections' products; fp32 out."""
+        merger = self.tower.merger
+        hidden = self.merger_fc1(merger.norm(x).view(-1, merger.merged))
+        return self.merger_fc2(torch.ops.aten.gelu_(hidden)).float()

@@ -18,6 +18,7 @@
 #include "moe.h"
 #include "norms.h"
 #include "stack.h"
+#include "vision.h"
 
 using namespace deltaserve;
 
@@ -289,6 +290,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("parts"), pybind11::arg("activation_quantization") = "none");
   m.def("rms_norm", &rms_norm_alone, "x [T, n] * rsqrt(mean(x^2) + eps) * scale (scale = 1 + RMSNorm.weight)");
   m.def("gated_rms_norm", &gated_rms_norm_alone, "x * rsqrt(mean(x^2) + eps) * weight * silu(z) over x's last dim");
+  m.def("gelu_tanh_bf16_", &gelu_tanh_bf16_, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "x <- GELU(x) (tanh approximation) in place on contiguous bf16 (vision.h)");
+  m.def("rotary_qk_bf16_", &rotary_qk_bf16_, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "rotate-half rotary of q and k in place in qkv [N, 3, heads, head_dim] bf16; cos, sin [N, head_dim] fp32");
+  m.def("add_layer_norm_bf16", &add_layer_norm_bf16, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "x (fp32 [T, n]) += y (bf16, or None) in place, then LayerNorm(x) * weight + bias in bf16 (vision.h)",
+        pybind11::arg("x"), pybind11::arg("y"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("eps"));
   m.def("rotary", &rotary_alone, "x [T, heads, head_dim] with rotate-half RoPE on its first 2 len(inv_freq) dims");
   m.def("gdn_recurrence", &gdn_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Gated DeltaNet's conv, recurrence and gated norm on in_proj outputs: (core, verify conv, verify ssm)");
