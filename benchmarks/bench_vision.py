@@ -1,7 +1,7 @@
 """Images: deltaserve vs transformers on one random checkpoint with the real Qwen3.5-0.8B vision tower (not a
 test; timing decides nothing).
 
-    .venv/bin/python benchmarks/bench_vision.py [--rounds 5] [--threads 2] [--dtype bfloat16] [--no-write]
+    .venv/bin/python benchmarks/bench_vision.py [--rounds 5] [--threads 2] [--dtype bfloat16 | --demo] [--no-write]
 
 The tower is the 0.8B's vision_config (deltaserve/engine/known_configs.py: depth 12, hidden 768, 12 heads,
 MLP 3072, patch 16, merge 2), random; the text trunk is the ~60M random shape of bench_engine.py (hidden 512,
@@ -14,8 +14,11 @@ theirs) in one process, torch.set_num_threads set explicitly for both:
 --dtype bfloat16 saves deltaserve's checkpoint in bf16, as the released ones are (its tower's projections run
 bf16 dot products: deltaserve/executor/fused_cpu/vision.py); transformers runs the same (bf16-rounded) weights
 in fp32, its first token is not required to match, and the towers' outputs agree to bf16's rounding.
+--demo runs the same workloads on the embedded demo checkpoint instead (its own 3-block tower, bf16 on disk, and
+its processor, which shrinks the picture to 128x128: 64 patches, 16 merged tokens); transformers loads the same
+files in fp32.
 The median of the rounds goes into docs/benchmarks.md under "Vision vs transformers" (with --dtype bfloat16,
-"Vision vs transformers, bf16 checkpoint")."""
+"Vision vs transformers, bf16 checkpoint"; with --demo, "Vision vs transformers, the demo")."""
 
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from bench_engine import RANDOM_SHAPE  # noqa: E402
 from report import machine, write_section  # noqa: E402
 
 from deltaserve import LLM, SamplingParams  # noqa: E402
+from deltaserve.assets import DEMO_DIR  # noqa: E402
 from deltaserve.engine.known_configs import KNOWN_CONFIGS  # noqa: E402
 from tests.checkpoints import mrope_section, randomize  # noqa: E402
 from tests.vision_checkpoint import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, save_vision_checkpoint  # noqa: E402
@@ -100,26 +104,36 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the dtype deltaserve's checkpoint is saved in (transformers runs fp32)")
+    ap.add_argument("--demo", action="store_true", help="the embedded demo checkpoint instead of the random 0.8B tower")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    hf = hf_model()
     image = picture()
     with tempfile.TemporaryDirectory() as tmp:
-        bf16 = args.dtype == "bfloat16"
-        if bf16:  # transformers runs the bf16 checkpoint's own numbers, in fp32
-            hf.to(torch.bfloat16).float()
-        path = save_vision_checkpoint(copy.deepcopy(hf).to(torch.bfloat16) if bf16 else hf, Path(tmp) / "ck")
-        (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=1))
+        bf16 = args.dtype == "bfloat16" or args.demo
+        if args.demo:  # bf16 on disk; transformers runs its numbers in fp32
+            from transformers import Qwen3_5ForConditionalGeneration
+
+            path = DEMO_DIR
+            hf = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                                 attn_implementation="eager").eval()
+        else:
+            hf = hf_model()
+            if bf16:  # transformers runs the bf16 checkpoint's own numbers, in fp32
+                hf.to(torch.bfloat16).float()
+            path = save_vision_checkpoint(copy.deepcopy(hf).to(torch.bfloat16) if bf16 else hf, Path(tmp) / "ck")
+            (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=1))
+        preprocessor = json.loads((path / "preprocessor_config.json").read_text())
+        preprocessor.pop("image_processor_type", None)
         llm = LLM(str(path), enable_prefix_caching=False, max_num_batched_tokens=1024, num_threads=args.threads)
         executor = llm.engine.executor.name
         prompt = {"prompt_token_ids": [VISION_START, IMAGE_PAD, VISION_END, *QUESTION],
                   "multi_modal_data": {"image": [image]}}
         one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        processor = Qwen2VLImageProcessorPil(**PREPROCESSOR)
+        processor = Qwen2VLImageProcessorPil(**preprocessor)
 
         def ours_ttft() -> list[int]:
             return llm.generate([prompt], one, use_tqdm=False)[0].outputs[0].token_ids
@@ -166,15 +180,17 @@ def main() -> None:
          f"{merged / med['theirs_enc']:.0f}", med["theirs_enc"] / med["ours_enc"]),
     ]
     table = "\n".join(f"| {w} | {o} | {t} | {x:.2f}x |" for w, o, t, x in rows)
-    section = SECTION + (", bf16 checkpoint" if bf16 else "")
+    section = SECTION + (", the demo" if args.demo else ", bf16 checkpoint" if bf16 else "")
     checkpoint = ("deltaserve's checkpoint saved in bf16 (tower projections as bf16 dot products), transformers "
                   "fp32; towers agree to bf16 rounding" if bf16 else "same first token checked")
+    subject = ("The embedded demo checkpoint (3-block tower of width 128, bf16 on disk; its processor shrinks the "
+               "picture to 128x128)" if args.demo else "A random checkpoint with the Qwen3.5-0.8B vision tower "
+               "(depth 12, hidden 768, patch 16) in front of a ~60M random text trunk (bench_engine.py's shape)")
     text = (
         f"{section}\n\n"
         f"`benchmarks/bench_vision.py --rounds {args.rounds} --threads {args.threads}"
-        f"{' --dtype bfloat16' if bf16 else ''}`, "
-        f"{datetime.date.today().isoformat()}; {machine()}. A random checkpoint with the Qwen3.5-0.8B vision tower "
-        f"(depth 12, hidden 768, patch 16) in front of a ~60M random text trunk (bench_engine.py's shape); "
+        f"{' --demo' if args.demo else ' --dtype bfloat16' if bf16 else ''}`, "
+        f"{datetime.date.today().isoformat()}; {machine()}. {subject}; "
         f"deltaserve's {executor} executor, transformers {transformers.__version__} (eager attention, fp32), "
         f"`torch.set_num_threads({args.threads})` for both, rounds interleaved, medians; {checkpoint}. "
         "The machine is shared: read the ratios, not the absolute times.\n\n"

@@ -89,7 +89,7 @@ def finetune_lines(summary: dict, cfg: ModelConfig) -> list[str]:
         p, loss = r["per_step"], r["heldout_loss"]
         # the city drill (--city-calls-per-step): weather / time questions' first turns, the call alone
         drill = f" + {p['city_calls']} city-argument calls" if p.get("city_calls") else ""
-        drill_loss = f", city-argument calls {loss['city']}" if "city" in loss else ""
+        drill_loss = f", city-argument calls {loss['city']}" if drill else ""
         lines.append(f"- {r['train_minutes']} minutes, {r['steps']} steps of {p['text']} windows of "
                      f"{r['text_window']} tokens + {p['tools']} conversations + {p['vision']} pictures{drill}; "
                      f"peak learning rate {r['lr']} ({r['tower_lr']} for the tower); held-out loss of the targets "

@@ -201,7 +201,7 @@ class Mix:
         return text_sequence(window, [True] * len(window))
 
     def groups(self, rng: random.Random) -> dict[str, dict]:
-        """One step's three packed groups (each its own forward: a tool prompt is ten times a question's length)."""
+        """One step's packed groups, each its own forward (a tool prompt is ten times a question's length)."""
         a = self.args
         counts = {"text": a.text_per_step, "tool": a.tools_per_step, "vision": a.vision_per_step,
                   "city": a.city_calls_per_step}
@@ -214,7 +214,8 @@ def evaluate(model, mix: Mix, seed: int, draws: int) -> dict[str, float]:
     """Held-out trunk loss on each kind of data (target tokens only)."""
     model.eval()
     out = {}
-    for kind in ("text", "tool", "vision", "city"):
+    kinds = ("text", "tool", "vision") + (("city",) if mix.args.city_calls_per_step else ())
+    for kind in kinds:
         rng = random.Random(seed)
         total = 0.0
         for _ in range(draws):

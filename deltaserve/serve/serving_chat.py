@@ -75,6 +75,8 @@ def prepare_chat(
     if structured is not None and tools.structured is not None and not tools.answer_constrained:
         raise APIError(400, f"tool_choice {tools.choice!r} cannot be combined with {field}", param=field)
     if tools.structured is not None:
+        if tools.answer_constrained:  # the response_format's own schema: a 400 about it names its field
+            check_compiles(engine, structured, field)
         structured, field = tools.structured, "tools"
     prompt = render_chat_prompt(
         engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools, parts

@@ -1,6 +1,7 @@
-"""tool_choice `required` and named functions, enforced by constrained decoding: a Lark grammar (llguidance)
-that admits exactly the calls the parser reads, in the parser's format, with arguments valid for each
-tool's parameters schema (required parameters always, optional ones may be left out).
+"""tool_choice `required` and named functions, and strict functions under `auto`, enforced by constrained
+decoding: a Lark grammar (llguidance) that admits exactly the calls the parser reads, in the parser's format,
+with arguments valid for each tool's parameters schema (required parameters always, optional ones may be left
+out); under auto, free text (or the response_format's JSON) may come instead of or before the calls.
 
 qwen3_coder writes values as raw text: a string parameter is free text that cannot contain the
 `\\n</parameter>\\n` closing it, and meets all of its const, enum, pattern, minLength, maxLength and format
@@ -19,6 +20,10 @@ from deltaserve.engine.structured import json_schema_lark, lark_text, llguidance
 from deltaserve.serve.tool_parsers import CALL_END, CALL_START, HermesToolParser
 
 _PARAM_END = "\n</parameter>\n"
+# Free text inside a call never spells out a call tag: the parser ends a block at the first </tool_call>, so a
+# value or loose arguments holding "</tool_call>\n<tool_call>..." would smuggle in a call the grammar never
+# checked.
+_NO_CALL_TAG = "~/(?s:.*)<\\/?tool_call>(?s:.*)/"
 
 
 class ToolGrammarError(ValueError):
@@ -112,17 +117,19 @@ def _qwen3_coder_call(tokenizer: Any, name: str, params: dict[str, Any], idx: in
             # The value and its closing tag are one lexeme, so where the value ends is never ambiguous; it
             # meets every constraint (Lark's & of regexes).
             ends = [f"/{llguidance_module().regex_to_lark(f'(?:{v})')}\\n<\\/parameter>\\n/" for v in values]
-            rules.append(f"{term}: {' & '.join(ends)} & ~/(?s:.*)\\n<\\/parameter>\\n(?s:.+)/")
+            rules.append(f"{term}: {' & '.join(ends)} & ~/(?s:.*)\\n<\\/parameter>\\n(?s:.+)/ & {_NO_CALL_TAG}")
             body = f"{opener} {term}"
         else:
             body = f"{opener} {json_schema_lark(schema)} {json.dumps(_PARAM_END)}"
         rules.append(f"p_{idx}_{k}: {body}")
         parts.append(f"p_{idx}_{k}" + ("" if key in required else "?"))
-    head = (
-        f"{lark_text(tokenizer, CALL_START)} {json.dumps(chr(10) + '<function=' + name + '>' + chr(10))} "
-        f"{' '.join(parts)} \"</function>\\n\" {lark_text(tokenizer, CALL_END)}"
-    )
-    return [f"call_{idx}: {head}", *rules]
+    tail = f"\"</function>\\n\" {lark_text(tokenizer, CALL_END)}"
+    return [f"call_{idx}: {_qwen3_coder_head(tokenizer, name)} {' '.join(parts)} {tail}", *rules]
+
+
+def _qwen3_coder_head(tokenizer: Any, name: str) -> str:
+    """A qwen3_coder call's opening: the call tag and the function's name."""
+    return f"{lark_text(tokenizer, CALL_START)} {json.dumps(chr(10) + '<function=' + name + '>' + chr(10))}"
 
 
 def _hermes_call(tokenizer: Any, name: str, params: dict[str, Any], idx: int) -> list[str]:
@@ -142,10 +149,9 @@ def _loose_call(tokenizer: Any, parser_name: str, name: str, idx: int) -> list[s
     parser's layout that are not checked against its schema (as without any grammar)."""
     if parser_name == HermesToolParser.name:
         return _hermes_call(tokenizer, name, {"type": "object"}, idx)
-    head = f"{lark_text(tokenizer, CALL_START)} {json.dumps(chr(10) + '<function=' + name + '>' + chr(10))}"
     # The arguments and the closing tag are one lexeme, as a string value is (_qwen3_coder_call)
-    return [f"call_{idx}: {head} ARGS_{idx} {lark_text(tokenizer, CALL_END)}",
-            f"ARGS_{idx}: /(?s:.*)<\\/function>\\n/ & ~/(?s:.*)<\\/function>\\n(?s:.+)/"]
+    return [f"call_{idx}: {_qwen3_coder_head(tokenizer, name)} ARGS_{idx} {lark_text(tokenizer, CALL_END)}",
+            f"ARGS_{idx}: /(?s:.*)<\\/function>\\n/ & ~/(?s:.*)<\\/function>\\n(?s:.+)/ & {_NO_CALL_TAG}"]
 
 
 def _call_rules(tokenizer: Any, parser_name: str, schemas: dict[str, dict[str, Any]],
