@@ -21,7 +21,8 @@ class FusedCPUExecutor(Executor):
     def __init__(self, model: Qwen3_5ForCausalLM, cache: CacheTensors, with_mtp: bool = False) -> None:
         """with_mtp: build the MTP head's C++ stack too (speculative decoding drafts with it)."""
         self.trunk = FusedTrunk(model, cache)
-        # Its vision tower (if any) runs in torch, once per image, not once per step: fused_cpu/vision.py.
+        # Its vision tower (if any) runs once per image, not once per step: torch's products between the C++
+        # step's element-wise kernels (fused_cpu/vision.py).
         self._model = model
         self._vision = None if model.visual is None else FastVisionTower(model.visual)
         self.shard = model.shard  # tensor parallelism: the stacks all-reduce in it; logits are gathered here

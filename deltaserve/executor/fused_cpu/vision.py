@@ -3,8 +3,8 @@ read where they are) with each projection whose weight is stored in bfloat16 run
 input rounded to bf16, multiplied by the stored bf16 weight in torch's oneDNN kernels (AVX512-BF16, or AMX
 where the CPU has it), its output in bf16. The bf16 scheme, for a tower whose projections are all stored in
 bf16 (as the released checkpoints are):
-- the patch embedding is one bf16 matmul too: pixels rounded to bf16, times a bf16 copy of its weight (a bf16
-  checkpoint's values, so the copy is exact);
+- the patch embedding is one bf16 matmul too: pixels rounded to bf16, times a bf16 copy of its weight (exact
+  where the checkpoint stores it in bf16, as the released ones do; else rounded once, as the projections are);
 - each projection's bias is added in the product in bf16, from a copy cast once (not on every call);
 - the residual stream stays fp32, and LayerNorm, rotary and the MLP's activation compute in fp32, as in the
   reference; what they produce is a projection's input (or the attention's), rounded once to bf16;
