@@ -26,7 +26,7 @@ from tests.test_kernels import fmt_id, spec
 def ext():
     ext = load_extension()
     if not ext.amx_supported():
-        pytest.skip("no AMX-INT8 here (CPU, OS permission or compiler)")
+        pytest.skip(f"no AMX-INT8 here: {ext.amx_status()}")
     return ext
 
 
@@ -91,6 +91,36 @@ def test_groups_that_are_not_multiples_of_4_keep_their_paths(ext, fmt: WeightFor
     with amx_runs(ext, expected=False):
         got = ext.linear(x, [part], "int8")
     assert_matches_the_scheme(got, x, part, 70)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.of("int8", 4), WeightFormat.of("int4", 8), WeightFormat.of("int8", 12),
+                                 WeightFormat.of("int8", 68), WeightFormat.of("int4", 76)], ids=fmt_id)
+def test_groups_of_short_k_steps_keep_their_paths(ext, fmt: WeightFormat) -> None:
+    """A group whose largest K step (a multiple of 4 dividing it, up to 64) is under 16 bytes (4, 8, 12, or 4 x
+    a prime past 16: 68 = 4 x 17, 76 = 4 x 19) would run one TDPBSSD per 4 to 12 bytes, slower than the VNNI
+    kernel: it does not take the AMX kernel, and its numbers are still the scheme's."""
+    g = torch.Generator().manual_seed(6)
+    part = spec(torch.randn(50, 200, generator=g), fmt)
+    x = torch.randn(64, 200, generator=g)
+    with amx_runs(ext, expected=False):
+        got = ext.linear(x, [part], "int8")
+    assert_matches_the_scheme(got, x, part, 200)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.of("int8"), WeightFormat.of("int4")], ids=fmt_id)
+def test_more_rows_than_one_pass(ext, fmt: WeightFormat) -> None:
+    """530 rows: more than kAmxRowBlock (512), so a second pass over the weights starts at row 512 (the kernel's
+    row offset t0 > 0), on a small shape with a partial last group (K = 70) and outputs not a multiple of 16."""
+    g = torch.Generator().manual_seed(7)
+    rows, n_out, k_in = 530, 33, 70
+    part = spec(torch.randn(n_out, k_in, generator=g), fmt)
+    x = torch.randn(rows, k_in, generator=g) * torch.logspace(-2, 2, rows)[:, None]
+    with amx_runs(ext):
+        got = ext.linear(x, [part], "int8")
+        tail = ext.linear(x[512:].contiguous(), [part], "int8")
+    assert got.shape == (rows, n_out)
+    assert_matches_the_scheme(got, x, part, k_in)
+    assert torch.equal(tail, got[512:])
 
 
 def test_parts_in_several_formats_in_one_panel(ext) -> None:

@@ -281,7 +281,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this build, the CPU and the OS allow the AMX-INT8 kernel (the tile data requested at the first call)");
   m.def("set_amx", &set_amx_enabled, "switch the AMX kernel on or off (process-wide); returns the last setting",
         pybind11::arg("on"));
-  m.def("amx_panels", &amx_panels, "how many 64-output panels the AMX kernel has computed in this process");
+  m.def("amx_status", &amx_status,
+        "why amx_supported() is what it is: 'ready', 'not compiled in', 'no AMX-INT8 on this CPU', "
+        "'kernel refused tile state: <strerror>', ...");
+  m.def("amx_panels", &amx_panels,
+        "how many parts of 64-output panels the AMX kernel has computed in this process (a panel split between "
+        "two weight parts counts twice)");
   m.def("set_amx_rows", &set_amx_min_rows,
         "the fewest rows that take the AMX kernel (AMX_ROWS unless set; for measurements); returns the last setting",
         pybind11::arg("rows"));

@@ -43,6 +43,12 @@ const char* format_name(Format f);
 WeightPart make_part(const at::Tensor& data, const at::Tensor& scale, Format format, int64_t group, int64_t K,
                      const std::string& what);
 
+// The top 16 bits of an fp32's bits rounded to nearest even: its bfloat16 where it is finite (a NaN's may
+// become an infinity: vision.cpp's round_bf16 and greedy_screen.cpp handle those). Branch-free.
+inline uint16_t bf16_round_bits(uint32_t bits) {
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 inline float bf16_to_float(uint16_t v) {
   const uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "formats.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -85,8 +86,8 @@ void screened_greedy(const at::Tensor& h, const GreedyScreen& s, const Linear& l
       const float v = hp[t * K + k];
       uint32_t bits;
       std::memcpy(&bits, &v, sizeof(bits));
-      bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest even (meaningless unless v is finite)
-      uint32_t top = bits & 0xFFFF0000u;
+      // round to nearest even (meaningless unless v is finite)
+      uint32_t top = static_cast<uint32_t>(bf16_round_bits(bits)) << 16;
       float r;
       std::memcpy(&r, &top, sizeof(r));
       if (std::fabs(r) < FLT_MIN) r = 0.0f, top = 0;

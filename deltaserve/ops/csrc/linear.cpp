@@ -257,31 +257,6 @@ int64_t part_of(const Linear& l, int64_t n) {
 
 // ---- the packed kernel: a tile of widened weights, reused over rows of x -----------------------------------
 #if defined(__AVX512F__)
-// r[i] = column i of the 16 x 16 matrix whose rows were r[0..16)
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-  }
-}
-
 // widen16 of any part (the packing's: its outputs may belong to parts of several formats); g = k0 / group.
 __m512 widen16_any(const WeightPart& p, int64_t row, int64_t k0, int64_t g, __mmask16 valid) {
   const uint8_t* r = bytes_of(p) + row * p.row_bytes;

@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "linear_int.h"
+#include "simd.h"
 
 #if defined(DELTASERVE_AMX)
 #include <cpuid.h>
@@ -28,32 +31,55 @@ constexpr int kXtiledata = 18;  // the XSAVE feature number of the tile data (17
 
 // CPUID's AMX-TILE and AMX-INT8, XCR0's tile state (the OS saves it), and Linux's grant of the tile data
 // to this process (every thread of it, those running already included).
-bool cpu_and_os_allow() {
+// Returns "ready" or why not (amx_status).
+std::string cpu_and_os_allow() {
   unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE: xgetbv works
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  if (!(d & (1u << 24)) || !(d & (1u << 25))) return false;  // AMX-TILE, AMX-INT8
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return "no OSXSAVE on this CPU or OS";  // xgetbv
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "no AMX-INT8 on this CPU";
+  if (!(d & (1u << 24)) || !(d & (1u << 25))) return "no AMX-INT8 on this CPU";  // AMX-TILE, AMX-INT8
   uint32_t lo = 0, hi = 0;
   __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG and XTILEDATA enabled
-  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtiledata) != 0) return false;
+  // XTILECFG and XTILEDATA enabled
+  if ((lo & (3u << 17)) != (3u << 17)) return "the OS has not enabled the tile state (XCR0)";
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, static_cast<unsigned long>(kXtiledata)) != 0) {
+    const int err = errno;
+    return std::string("kernel refused tile state: ") + std::strerror(err);
+  }
   unsigned long granted = 0;
-  return syscall(SYS_arch_prctl, kArchGetXcompPerm, &granted) == 0 && (granted & (1ul << kXtiledata)) != 0;
+  if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &granted) != 0) {
+    const int err = errno;
+    return std::string("kernel refused tile state: ") + std::strerror(err);
+  }
+  if (!(granted & (1ul << kXtiledata))) return "kernel refused tile state: not granted";
+  return "ready";
+}
+
+const std::string& amx_status_once() {
+  static const std::string status = cpu_and_os_allow();
+  return status;
 }
 #endif
 
 }  // namespace
 
 int64_t amx_step(int64_t group) {
-  for (int64_t s = 64; s >= 4; s -= 4) {
+  for (int64_t s = 64; s >= 16; s -= 4) {
     if (group % s == 0) return s;
   }
   return 0;
 }
 
+std::string amx_status() {
+#if defined(DELTASERVE_AMX)
+  return amx_status_once();
+#else
+  return "not compiled in";
+#endif
+}
+
 bool amx_supported() {
 #if defined(DELTASERVE_AMX)
-  static const bool ok = cpu_and_os_allow();
+  static const bool ok = amx_status_once() == "ready";
   return ok;
 #else
   return false;
@@ -93,30 +119,12 @@ void load_tile_config(int64_t step) {
   _tile_loadconfig(&c);
 }
 
-// 16 x 16 32-bit words transposed in registers: r[i] holds what was lane i of each.
-inline void transpose16(__m512i v[16]) {
-  __m512 r[16], t[16];
+// 16 x 16 32-bit words transposed in registers (simd.h's transpose16): v[i] holds what was lane i of each.
+inline void transpose16_words(__m512i v[16]) {
+  __m512 r[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_castsi512_ps(v[i]);
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-  }
-  for (int i = 0; i < 8; ++i) {
-    v[i] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[i], t[i + 8], 0x88));
-    v[i + 8] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD));
-  }
+  transpose16(r);
+  for (int i = 0; i < 16; ++i) v[i] = _mm512_castps_si512(r[i]);
 }
 
 // The signed q_w of columns k0 .. k0 + 64 of one stored weight row (int8 as stored; int4's nibbles - 8),
@@ -150,7 +158,7 @@ void pack_panel(const WeightPart& p, int64_t row0, int64_t count, int64_t ld, in
     for (int64_t k0 = 0; k0 < ld; k0 += 64) {
       __m512i v[16];
       for (int i = 0; i < 16; ++i) v[i] = rows[i] ? signed_weights64(p, rows[i], k0) : _mm512_setzero_si512();
-      transpose16(v);  // v[w]: the 4 bytes of columns k0 + 4w .. of each of the 16 outputs
+      transpose16_words(v);  // v[w]: the 4 bytes of columns k0 + 4w .. of each of the 16 outputs
       const int64_t words = std::min<int64_t>(16, (ld - k0) / 4);
       for (int64_t w = 0; w < words; ++w) _mm512_storeu_si512(bt + (k0 / 4 + w) * 64, v[w]);
     }

@@ -16,11 +16,12 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "formats.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__linux__)
+    defined(__AVX512VL__) && defined(__linux__)  // VL: _mm256_maskz_loadu_epi8
 #define DELTASERVE_AMX 1
 #endif
 
@@ -43,14 +44,20 @@ constexpr int64_t kTileSlack = 15;
 // each pass packs every panel's B tiles once, and 512 rows of q_x (512 KB at K = 1024) stay in L2.
 constexpr int64_t kAmxRowBlock = 512;
 
-// The K bytes of one TDPBSSD for a group of `group` columns: the largest multiple of 4 up to 64 that divides
-// the group (32 for the default group, 64 for 64 and 128); 0 when there is none (a group that is not a
-// multiple of 4): such parts do not take the AMX kernel.
+// The K bytes of one TDPBSSD for a group of `group` columns: the largest multiple of 4 from 16 up to 64 that
+// divides the group (32 for the default group, 64 for 64 and 128); 0 when there is none: such parts do not
+// take the AMX kernel. A group that is not a multiple of 4 cannot; one whose largest such step would be 4, 8
+// or 12 bytes (groups 4, 8, 12, 4 x a prime past 16 as 68, ...) would run one TDPBSSD per 4 to 12 bytes,
+// slower than the VNNI kernel.
 int64_t amx_step(int64_t group);
 
 // Whether the CPU, the OS and this build allow the AMX kernel (checked once, the tile data requested from
 // the kernel then).
 bool amx_supported();
+
+// Why amx_supported() is what it is: "ready", "not compiled in", "no AMX-INT8 on this CPU", "the OS has not
+// enabled the tile state (XCR0)", or "kernel refused tile state: <strerror of arch_prctl's errno>".
+std::string amx_status();
 
 // Whether the int8-activation parts take the AMX kernel: amx_supported() and not switched off.
 bool amx_ready();

@@ -385,16 +385,9 @@ void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, Act
     q.format = f.format, q.group = f.group, q.groups = f.groups, q.K = f.K, q.lanes = f.lanes, q.chunks = f.chunks;
     q.tiles = f.tiles, q.ld = f.ld;
     q.lane_group.assign(f.lane_group.begin(), f.lane_group.end());
-    if (f.tiles) {  // rows of ld bytes and groups scales, then the slack rows of zeros
-      q.values.clear(), q.bias.clear();
-      q.bytes.assign((n + kTileSlack) * f.ld, 0);
-      q.scales.assign((n + kTileSlack) * f.groups, 0.0f);
-      for (int64_t r = 0; r < n; ++r) {
-        std::copy_n(f.bytes.begin() + rows[r] * f.ld, f.ld, q.bytes.begin() + r * f.ld);
-        std::copy_n(f.scales.begin() + rows[r] * f.groups, f.groups, q.scales.begin() + r * f.groups);
-      }
-      continue;
-    }
+    // Its only caller (moe.cpp) quantizes its rows without the tile layout (tiles = false): gathering tile
+    // rows would also need their kTileSlack rows of zeros, which nothing here does.
+    TORCH_CHECK(!f.tiles, "gather_rows: rows in the AMX tile layout are not gathered (moe.cpp quantizes without it)");
     // per row: lanes [chunks, 64] bytes and [chunks, 16] scales (and int4 biases); plain [K] and [groups];
     // prompt rows [K] values
     const int64_t bytes = f.lanes ? f.chunks * 64 : f.K, lanes = f.lanes ? f.chunks * 16 : f.groups;

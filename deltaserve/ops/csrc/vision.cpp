@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "formats.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -13,20 +14,12 @@ namespace deltaserve {
 
 namespace {
 
-inline float widen_bf16(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
 // Round to nearest even, a NaN to the quiet NaN: torch's float -> bfloat16 conversion. Branch-free, so that
 // the loops calling it vectorize.
 inline uint16_t round_bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+  return (bits & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0u} : bf16_round_bits(bits);
 }
 
 uint16_t* bf16_data(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
@@ -44,7 +37,7 @@ void gelu_tanh_bf16_(const at::Tensor& x) {
   uint16_t* p = bf16_data(x);
   at::parallel_for(0, x.numel(), grain_for(16), [p](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float v = widen_bf16(p[i]);
+      const float v = bf16_to_float(p[i]);
       const float two_z = 1.5957691216057308f * (v + 0.044715f * v * v * v);  // 2 sqrt(2/pi) (v + 0.044715 v^3)
       // Below -88 sigmoid(2z) is under e^-88 (vexp clamps there): 0 * v, torch's -0 for a finite v, NaN for -inf.
       p[i] = round_bf16(two_z < -88.0f ? 0.0f * v : v / (1.0f + vexp(-two_z)));
@@ -57,8 +50,10 @@ void rotary_qk_bf16_(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   check_contiguous(cos, at::kFloat, 2, "cos");
   check_contiguous(sin, at::kFloat, 2, "sin");
   const int64_t N = qkv.size(0), heads = qkv.size(2), hd = qkv.size(3), half = hd / 2;
-  TORCH_CHECK(qkv.size(1) == 3 && hd % 2 == 0, "qkv: [N, 3, heads, head_dim] with head_dim even");
-  TORCH_CHECK(cos.size(0) == N && cos.size(1) == hd && sin.sizes() == cos.sizes(), "cos, sin: [N, head_dim]");
+  TORCH_CHECK(qkv.size(1) == 3 && hd % 2 == 0, "qkv: [N, 3, heads, head_dim] with head_dim even, got ",
+              qkv.sizes());
+  TORCH_CHECK(cos.size(0) == N && cos.size(1) == hd && sin.sizes() == cos.sizes(), "cos, sin: [N, head_dim] = [",
+              N, ", ", hd, "], got cos ", cos.sizes(), ", sin ", sin.sizes());
   uint16_t* base = bf16_data(qkv);
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -70,7 +65,7 @@ void rotary_qk_bf16_(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
       const float* c = cp + n * hd;
       const float* s = sp + n * hd;
       for (int64_t i = 0; i < half; ++i) {
-        const float a = widen_bf16(x[i]), b = widen_bf16(x[i + half]);
+        const float a = bf16_to_float(x[i]), b = bf16_to_float(x[i + half]);
         x[i] = round_bf16(a * c[i] - b * s[i]);
         x[i + half] = round_bf16(b * c[i + half] + a * s[i + half]);
       }
@@ -84,11 +79,12 @@ at::Tensor add_layer_norm_bf16(const at::Tensor& x, const std::optional<at::Tens
   const int64_t T = x.size(0), n = x.size(1);
   if (y) {
     check_contiguous(*y, at::kBFloat16, 2, "y");
-    TORCH_CHECK(y->sizes() == x.sizes(), "y: the shape of x");
+    TORCH_CHECK(y->sizes() == x.sizes(), "y: the shape of x ", x.sizes(), ", got ", y->sizes());
   }
   check_contiguous(weight, at::kFloat, 1, "weight");
   check_contiguous(bias, at::kFloat, 1, "bias");
-  TORCH_CHECK(weight.size(0) == n && bias.size(0) == n, "weight, bias: [n] for x [T, n]");
+  TORCH_CHECK(weight.size(0) == n && bias.size(0) == n, "weight, bias: [n] for x [T, n] = ", x.sizes(),
+              ", got weight ", weight.sizes(), ", bias ", bias.sizes());
   at::Tensor out = at::empty({T, n}, x.options().dtype(at::kBFloat16));
   float* xp = x.data_ptr<float>();
   const uint16_t* yp = y ? bf16_data(*y) : nullptr;
@@ -101,7 +97,7 @@ at::Tensor add_layer_norm_bf16(const at::Tensor& x, const std::optional<at::Tens
       float* row = xp + t * n;
       if (yp) {
         const uint16_t* add = yp + t * n;
-        for (int64_t i = 0; i < n; ++i) row[i] += widen_bf16(add[i]);
+        for (int64_t i = 0; i < n; ++i) row[i] += bf16_to_float(add[i]);
       }
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
