@@ -17,9 +17,9 @@ from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.ops.activation_quant import fake_quantize, linear_reference
 from deltaserve.ops.formats import WeightFormat
 from deltaserve.ops.fused_ext import load_extension
-from deltaserve.sampling import SamplingParams
 from tests.test_int8_activations import assert_matches_the_scheme
 from tests.test_kernels import fmt_id, spec
+from tests.test_tensor_parallel import greedy as tp_greedy
 
 
 @pytest.fixture(scope="module")
@@ -238,16 +238,8 @@ def test_fused_prompt_chunks_match_the_torch_model(tmp_path, ext, fmt: str) -> N
 PROMPTS = [list(range(3, 103)), [5, 9, 2, 7, 7, 1, 4, 8, 3, 6, 11] * 5, [17, 3, 40]]  # 100, 55 and 3 tokens
 
 
-def greedy(engine: LLMEngine, max_tokens: int = 8) -> dict[str, list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", p, params)
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = list(o.outputs[0].token_ids)
-    return out
+def greedy(engine: LLMEngine) -> dict[str, list[int]]:
+    return tp_greedy(engine, max_tokens=8, prompts=PROMPTS)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])

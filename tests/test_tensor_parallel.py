@@ -55,9 +55,10 @@ def engines(path: Path, k: int = 0, eager: bool = False, kv: str = "auto",
         two.close()
 
 
-def greedy(engine: LLMEngine, max_tokens: int = 14) -> dict[str, list[int]]:
+def greedy(engine: LLMEngine, max_tokens: int = 14, prompts: list[list[int]] = PROMPTS) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens (request ids r0, r1, ...), all of them batched in one engine."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(PROMPTS):
+    for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     out: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
