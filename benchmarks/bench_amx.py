@@ -40,6 +40,29 @@ def cpu_time(fn: Callable[[], object], repeat: int) -> float:
 def timer(threads: int) -> Callable[[Callable[[], object], int], float]:
     return cpu_time if threads == 1 else best_time
 
+
+def alternating(threads: int, first: Callable[[], object], second: Callable[[], object], rounds: int,
+                repeat: int) -> tuple[float, float]:
+    """The best time of each of two calls, timed in alternation for `rounds` rounds on `threads` threads."""
+    torch.set_num_threads(threads)
+    clock = timer(threads)
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        for i, fn in enumerate((first, second)):
+            best[i] = min(best[i], clock(fn, repeat))
+    return best[0], best[1]
+
+
+def with_amx(ext, on: bool, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn with the AMX kernel switched on or off for the call (and back on after it)."""
+    def call() -> object:
+        ext.set_amx(on)
+        try:
+            return fn()
+        finally:
+            ext.set_amx(True)
+    return call
+
 ROWS = (16, 24, 32, 48, 64, 128, 256, 512)
 
 
@@ -50,16 +73,9 @@ def run_int8(ext, shapes: list[str], formats: list[str], rows: list[int], thread
         for t in rows:
             x = torch.randn(t, k, generator=g)
             for nthreads in threads:
-                torch.set_num_threads(nthreads)
-                repeat = max(2, repeat_for(t * n * k) // 2)
-                amx = old = float("inf")
-                clock = timer(nthreads)
-                for _ in range(rounds):
-                    ext.set_amx(True)
-                    amx = min(amx, clock(partial(ext.linear, x, parts, "int8"), repeat))
-                    ext.set_amx(False)
-                    old = min(old, clock(partial(ext.linear, x, parts, "int8"), repeat))
-                ext.set_amx(True)
+                project = partial(ext.linear, x, parts, "int8")
+                amx, old = alternating(nthreads, with_amx(ext, True, project), with_amx(ext, False, project), rounds,
+                                       max(2, repeat_for(t * n * k) // 2))
                 gmacs = t * n * k / 1e9
                 print(f"{shape:<22} {fmt.name:<5} rows {t:>4} threads {nthreads}  amx {amx * 1e3:8.3f} ms "
                       f"({gmacs / amx:6.1f} GMAC/s)  old {old * 1e3:8.3f} ms ({gmacs / old:6.1f} GMAC/s)  "
@@ -74,13 +90,9 @@ def run_bf16(ext, shapes: list[str], rows: list[int], threads: list[int], rounds
         for t in rows:
             x = torch.randn(t, k, generator=g)
             for nthreads in threads:
-                torch.set_num_threads(nthreads)
-                repeat = max(2, repeat_for(t * n * k) // 2)
-                ours = theirs = float("inf")
-                clock = timer(nthreads)
-                for _ in range(rounds):
-                    ours = min(ours, clock(partial(ext.linear, x, parts, "none"), repeat))
-                    theirs = min(theirs, clock(lambda x=x, w=w: (x.bfloat16() @ w.T).float(), repeat))
+                ours, theirs = alternating(nthreads, partial(ext.linear, x, parts, "none"),
+                                           lambda x=x, w=w: (x.bfloat16() @ w.T).float(), rounds,
+                                           max(2, repeat_for(t * n * k) // 2))
                 gmacs = t * n * k / 1e9
                 print(f"{shape:<22} bf16  rows {t:>4} threads {nthreads}  packed fp32 {ours * 1e3:8.3f} ms "
                       f"({gmacs / ours:6.1f} GMAC/s)  torch bf16 {theirs * 1e3:8.3f} ms ({gmacs / theirs:6.1f} "

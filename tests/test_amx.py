@@ -81,30 +81,22 @@ def test_amx_projection_is_the_scheme(ext, fmt: WeightFormat, rows: int) -> None
         assert not torch.equal(got, ext.linear(x, [part], "none"))
 
 
-@pytest.mark.parametrize("fmt", [WeightFormat.of("int8", 10), WeightFormat.of("int4", 6), WeightFormat.of("int8", 2)],
-                         ids=fmt_id)
-def test_groups_that_are_not_multiples_of_4_keep_their_paths(ext, fmt: WeightFormat) -> None:
-    """TDPBSSD takes K in steps of 4 bytes, one group at a time: other groups do not take the AMX kernel."""
+@pytest.mark.parametrize(("fmt", "K"), [
+    (WeightFormat.of("int8", 10), 70), (WeightFormat.of("int4", 6), 70), (WeightFormat.of("int8", 2), 70),
+    (WeightFormat.of("int8", 4), 200), (WeightFormat.of("int4", 8), 200), (WeightFormat.of("int8", 12), 200),
+    (WeightFormat.of("int8", 68), 200), (WeightFormat.of("int4", 76), 200),
+], ids=lambda v: fmt_id(v) if isinstance(v, WeightFormat) else f"K{v}")
+def test_groups_amx_does_not_take_keep_their_paths(ext, fmt: WeightFormat, K: int) -> None:
+    """TDPBSSD takes K in steps of 4 bytes, one group at a time, so a group that is not a multiple of 4 cannot
+    take the AMX kernel; nor does a group whose largest K step (a multiple of 4 dividing it, up to 64) is
+    under 16 bytes (4, 8, 12, or 4 x a prime past 16: 68 = 4 x 17, 76 = 4 x 19), which would run one TDPBSSD
+    per 4 to 12 bytes, slower than the VNNI kernel. Their numbers are still the scheme's."""
     g = torch.Generator().manual_seed(2)
-    part = spec(torch.randn(50, 70, generator=g), fmt)
-    x = torch.randn(64, 70, generator=g)
+    part = spec(torch.randn(50, K, generator=g), fmt)
+    x = torch.randn(64, K, generator=g)
     with amx_runs(ext, expected=False):
         got = ext.linear(x, [part], "int8")
-    assert_matches_the_scheme(got, x, part, 70)
-
-
-@pytest.mark.parametrize("fmt", [WeightFormat.of("int8", 4), WeightFormat.of("int4", 8), WeightFormat.of("int8", 12),
-                                 WeightFormat.of("int8", 68), WeightFormat.of("int4", 76)], ids=fmt_id)
-def test_groups_of_short_k_steps_keep_their_paths(ext, fmt: WeightFormat) -> None:
-    """A group whose largest K step (a multiple of 4 dividing it, up to 64) is under 16 bytes (4, 8, 12, or 4 x
-    a prime past 16: 68 = 4 x 17, 76 = 4 x 19) would run one TDPBSSD per 4 to 12 bytes, slower than the VNNI
-    kernel: it does not take the AMX kernel, and its numbers are still the scheme's."""
-    g = torch.Generator().manual_seed(6)
-    part = spec(torch.randn(50, 200, generator=g), fmt)
-    x = torch.randn(64, 200, generator=g)
-    with amx_runs(ext, expected=False):
-        got = ext.linear(x, [part], "int8")
-    assert_matches_the_scheme(got, x, part, 200)
+    assert_matches_the_scheme(got, x, part, K)
 
 
 @pytest.mark.parametrize("fmt", [WeightFormat.of("int8"), WeightFormat.of("int4")], ids=fmt_id)

@@ -161,8 +161,7 @@ class FastVisionTower:
             hidden = self._activate_(block, fc1(ext.add_layer_norm_bf16(x, attended, *norm2)))
             pending = fc2(hidden)
         merger = self.tower.merger
-        merged = ext.add_layer_norm_bf16(x, pending, *self.merger_norm).view(-1, merger.merged)
-        return self.merger_fc2(torch.ops.aten.gelu_(self.merger_fc1(merged))).float()
+        return self._merger_products(ext.add_layer_norm_bf16(x, pending, *self.merger_norm).view(-1, merger.merged))
 
     def _block(self, block: VisionBlock, qkv: Projection, proj: Projection, fc1: Projection, fc2: Projection,
                x: torch.Tensor, tables: Tables, segments: list[int]) -> torch.Tensor:
@@ -178,5 +177,8 @@ class FastVisionTower:
     def _merge(self, x: torch.Tensor) -> torch.Tensor:
         """PatchMerger.forward with the projections' products; fp32 out."""
         merger = self.tower.merger
-        hidden = self.merger_fc1(merger.norm(x).view(-1, merger.merged))
-        return self.merger_fc2(torch.ops.aten.gelu_(hidden)).float()
+        return self._merger_products(merger.norm(x).view(-1, merger.merged))
+
+    def _merger_products(self, merged: torch.Tensor) -> torch.Tensor:
+        """The merger's fc1, GELU (in place) and fc2 on its normed, merged rows; fp32 out."""
+        return self.merger_fc2(torch.ops.aten.gelu_(self.merger_fc1(merged))).float()
