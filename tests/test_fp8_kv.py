@@ -123,23 +123,25 @@ def test_demo_greedy_tokens_with_fp8_kv_run_fused_and_match_fp32_kv(caplog) -> N
         ]
         reference = reference or llm
     for prompt, fp32, fp8 in zip(prompts, tokens["auto", False, False], tokens["fp8", False, False], strict=True):
-        _same_up_to_a_near_tie(reference, prompt, fp32, fp8)
+        same_up_to_a_near_tie(reference, prompt, fp32, fp8)
     assert tokens["fp8", True, False] == tokens["fp8", False, False]
     assert tokens["fp8", False, True] == tokens["fp8", False, False]
 
 
-def _same_up_to_a_near_tie(llm: LLM, prompt: str, fp32: list[int], fp8: list[int]) -> None:
-    """The fp8 cache's greedy tokens are the fp32 cache's, unless they part where the fp32 cache's two best
-    tokens are closer than the fp8 cache's logits error (DEMO_LOGITS_MAX_DIFF): there fp8 may pick the other."""
-    if fp8 == fp32:
+def same_up_to_a_near_tie(llm: LLM, prompt: str | list[int], want: list[int], got: list[int],
+                          margin: float = DEMO_LOGITS_MAX_DIFF) -> None:
+    """Greedy tokens `got` are llm's `want`, unless they part where llm's two best tokens are closer than
+    `margin` (the other computation's logits error; by default the fp8 cache's, DEMO_LOGITS_MAX_DIFF): there
+    the other may pick the second."""
+    if got == want:
         return
-    at = next(i for i, (a, b) in enumerate(zip(fp32, fp8, strict=True)) if a != b)
+    at = next(i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b)
     probe = SamplingParams(temperature=0, max_tokens=1, logprobs=2)
-    ids = llm.get_tokenizer().encode(prompt) + fp32[:at]
+    ids = (llm.get_tokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)) + want[:at]
     [out] = llm.generate([{"prompt_token_ids": ids}], probe, use_tqdm=False)
     top = out.outputs[0].logprobs[0]  # token id -> logprob, the two best
-    assert out.outputs[0].token_ids == [fp32[at]]
-    assert fp8[at] in top and top[fp32[at]] - top[fp8[at]] < DEMO_LOGITS_MAX_DIFF, (at, top)
+    assert out.outputs[0].token_ids == [want[at]]
+    assert got[at] in top and top[want[at]] - top[got[at]] < margin, (at, top)
 
 
 @pytest.mark.parametrize("name", ["fp8", "fp8_e4m3", "float8_e4m3fn"])

@@ -58,16 +58,18 @@ def test_int8_activation_projection_is_the_scheme(ext, fmt: WeightFormat, rows: 
         x = torch.randn(rows, k_in, generator=g) * torch.logspace(-3, 3, rows)[:, None]
         if rows > 2:
             x[2] = 0.0  # an all-zero row: scale 0
-        panels = ext.amx_panels()
+        panels = ext.amx_panels(), ext.vnni_tile_panels()
         got = ext.linear(x, [part], "int8")
-        amx = ext.amx_panels() > panels  # a prompt chunk where AMX runs (tests/test_amx.py)
+        # a prompt chunk where AMX or the VNNI tiles run (tests/test_tile_kernels.py)
+        amx, vnni = ext.amx_panels() > panels[0], ext.vnni_tile_panels() > panels[1]
         assert got.shape == (rows, n_out) and got.dtype == torch.float32
         assert_matches_the_scheme(got, x, part, k_in)
-        if rows <= ext.INT_KERNEL_ROWS and not amx:  # the integer kernel sums each row alone
+        if rows <= ext.INT_KERNEL_ROWS and not (amx or vnni):  # the integer kernel sums each row alone
             assert torch.equal(ext.linear(x[:1].contiguous(), [part], "int8"), got[:1])
-        elif amx:  # the AMX kernel too, from AMX_ROWS rows on
-            assert rows >= ext.AMX_ROWS and fmt.group % 4 == 0
-            assert torch.equal(ext.linear(x[-ext.AMX_ROWS:].contiguous(), [part], "int8"), got[-ext.AMX_ROWS:])
+        elif amx or vnni:  # the tile kernels too, from their least rows on
+            least = ext.AMX_ROWS if amx else ext.VNNI_TILE_ROWS
+            assert rows >= least and fmt.group % 4 == 0
+            assert torch.equal(ext.linear(x[-least:].contiguous(), [part], "int8"), got[-least:])
         else:  # a prompt chunk: the packed float kernel over x~ = q_x * s_x, as the Python model computes it
             assert torch.equal(got, ext.linear(fake_quantize(x, fmt.group), [part], "none"))
         if k_in >= 33:  # not the float path: its outputs are off by the quantization of x

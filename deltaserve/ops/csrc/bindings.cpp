@@ -14,6 +14,7 @@
 #include "gdn.h"
 #include "linear.h"
 #include "linear_amx.h"
+#include "linear_vnni.h"
 #include "linear_int.h"
 #include "moe.h"
 #include "norms.h"
@@ -290,6 +291,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx_rows", &set_amx_min_rows,
         "the fewest rows that take the AMX kernel (AMX_ROWS unless set; for measurements); returns the last setting",
         pybind11::arg("rows"));
+  // from this many rows on, they run the VNNI tiles where AMX does not run and the build has them (linear_vnni.h)
+  m.attr("VNNI_TILE_ROWS") = kVnniTileRows;
+  m.def("vnni_tiles_supported", &vnni_tiles_supported, "whether this build has the VNNI tile kernel (AVX512-VNNI)");
+  m.def("set_vnni_tiles", &set_vnni_tiles_enabled,
+        "switch the VNNI tile kernel on or off (process-wide); returns the last setting", pybind11::arg("on"));
+  m.def("vnni_tile_panels", &vnni_tile_panels,
+        "how many parts of 64-output panels the VNNI tile kernel has computed in this process");
+  m.def("set_vnni_tile_rows", &set_vnni_tile_min_rows,
+        "the fewest rows that take the VNNI tile kernel (VNNI_TILE_ROWS unless set; for measurements); returns the "
+        "last setting", pybind11::arg("rows"));
   m.def("linear_argmax", &linear_argmax_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "torch.argmax of linear(x, parts) per row, without keeping the outputs",
         pybind11::arg("x"), pybind11::arg("parts"), pybind11::arg("activation_quantization") = "none");

@@ -86,7 +86,7 @@ int64_t lane_byte(Format f, int64_t i) { return f == Format::kInt8 ? i : (i % 2)
 void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
   q.lanes = kVnni && group % 8 == 0;
-  q.tiles = false, q.ld = 0;
+  q.tiles = false, q.plus128 = false, q.ld = 0;
   q.chunks = (K + 63) / 64;
   q.values.clear(), q.bias.clear(), q.lane_group.clear();
   const int64_t C = q.chunks, G = q.groups;
@@ -319,7 +319,7 @@ const QuantizedRows& layout_for(const ActivationRows& a, const WeightPart& p) {
 // x~ = q_x * s_x of every row (values), each group's q_x and s_x those quantize_row gives.
 void dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
-  q.lanes = false, q.tiles = false, q.chunks = 0, q.ld = 0;
+  q.lanes = false, q.tiles = false, q.plus128 = false, q.chunks = 0, q.ld = 0;
   q.bytes.clear(), q.scales.clear(), q.bias.clear(), q.lane_group.clear();
   q.values.resize(T * K);
   thread_local std::vector<int8_t> row;
@@ -332,17 +332,18 @@ void dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t gro
   }
 }
 
-// The tile layout (AMX; linear_int.h QuantizedRows): each row's q_x at stride ld = groups x group, zeros past K
-// and in the kTileSlack rows past T.
-void tiles_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
+// The tile layout (AMX, VNNI tiles; linear_int.h QuantizedRows): each row's q_x at stride ld = groups x group,
+// zeros past K and in the kTileSlack rows past T; plus128: every byte of the T rows + 128 (q_x = 0 past K).
+void tiles_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, bool plus128, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
-  q.lanes = false, q.tiles = true, q.chunks = 0, q.ld = q.groups * group;
+  q.lanes = false, q.tiles = true, q.plus128 = plus128, q.chunks = 0, q.ld = q.groups * group;
   q.values.clear(), q.bias.clear(), q.lane_group.clear();
   q.bytes.assign((T + kTileSlack) * q.ld, 0);
   q.scales.assign((T + kTileSlack) * q.groups, 0.0f);
   for (int64_t t = 0; t < T; ++t) {
-    quantize_row(x + t * K, K, group, reinterpret_cast<int8_t*>(q.bytes.data()) + t * q.ld,
-                 q.scales.data() + t * q.groups);
+    uint8_t* row = q.bytes.data() + t * q.ld;
+    quantize_row(x + t * K, K, group, reinterpret_cast<int8_t*>(row), q.scales.data() + t * q.groups);
+    for (int64_t k = 0; plus128 && k < q.ld; ++k) row[k] ^= 0x80;  // two's complement + 128
   }
 }
 
@@ -360,7 +361,9 @@ void quantize_activations_into(std::initializer_list<const Linear*> ls, const fl
       if (n == a.layouts.size()) a.layouts.emplace_back();
       QuantizedRows& q = a.layouts[n++];
       if (tiles && T >= amx_min_rows() && amx_step(p.group) > 0 && amx_ready()) {
-        tiles_for(x, T, l->K, p.format, p.group, q);
+        tiles_for(x, T, l->K, p.format, p.group, false, q);
+      } else if (tiles && vnni_tiles_take(T, p.group)) {
+        tiles_for(x, T, l->K, p.format, p.group, true, q);
       } else if (T > kIntKernelRows) {
         dequantized_for(x, T, l->K, p.format, p.group, q);
       } else {
@@ -383,7 +386,7 @@ void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, Act
     const QuantizedRows& f = from.layouts[i];
     QuantizedRows& q = to.layouts[i];
     q.format = f.format, q.group = f.group, q.groups = f.groups, q.K = f.K, q.lanes = f.lanes, q.chunks = f.chunks;
-    q.tiles = f.tiles, q.ld = f.ld;
+    q.tiles = f.tiles, q.plus128 = f.plus128, q.ld = f.ld;
     q.lane_group.assign(f.lane_group.begin(), f.lane_group.end());
     // Its only caller (moe.cpp) quantizes its rows without the tile layout (tiles = false): gathering tile
     // rows would also need their kTileSlack rows of zeros, which nothing here does.
@@ -416,13 +419,20 @@ void int_panel(const Linear& l, const ActivationRows& a, const float* x, int64_t
     } else {
       const QuantizedRows& q = layout_for(a, p);
 #if defined(DELTASERVE_AMX)
-      if (q.tiles) {  // a prompt chunk where AMX runs
+      if (q.tiles && !q.plus128) {  // a prompt chunk where AMX runs
         amx_part(p, n - l.starts[i], count, q, r0, r1 - r0, y, ldo);
         n += count;
         continue;
       }
 #endif
-      TORCH_CHECK(!q.tiles, "int8 activations: rows laid out for AMX tiles in a build without them");
+#if defined(DELTASERVE_VNNI_TILES)
+      if (q.tiles && q.plus128) {  // a prompt chunk where the VNNI tiles run
+        vnni_part(p, n - l.starts[i], count, q, r0, r1 - r0, y, ldo);
+        n += count;
+        continue;
+      }
+#endif
+      TORCH_CHECK(!q.tiles, "int8 activations: rows laid out for AMX or VNNI tiles in a build without them");
       if (!q.values.empty()) {  // a prompt chunk: the packed kernel over x~
         project_panel(l, q.values.data() + r0 * l.K, r1 - r0, n, count, packed, tile, y, ldo);
         n += count;

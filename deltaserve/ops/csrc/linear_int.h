@@ -25,6 +25,7 @@
 
 #include "linear.h"
 #include "linear_amx.h"
+#include "linear_vnni.h"
 
 namespace deltaserve {
 
@@ -51,12 +52,14 @@ struct QuantizedRows {
   // kAmxRows rows or more where AMX runs (linear_amx.h): the tile layout, bytes
   // [T + kTileSlack, ld] q_x (ld = groups x group; the last group's columns past K and the rows past T are 0)
   // and scales [T + kTileSlack, groups].
-  bool tiles = false;
+  // Where the VNNI tiles run instead (linear_vnni.h), the same layout with each byte q_x + 128 (plus128).
+  bool tiles = false, plus128 = false;
   int64_t ld = 0;
 };
 
 // From kAmxRows rows on (batched steps and prompt chunks), where AMX runs and the group allows it, an
-// int8-activation part runs the AMX kernel (linear_amx.h); otherwise, past this many rows, the packed fp32
+// int8-activation part runs the AMX kernel (linear_amx.h); where AMX does not run, from kVnniTileRows rows on,
+// the VNNI tiles (linear_vnni.h) if the build has them; otherwise, past this many rows, the packed fp32
 // kernel on x~ = q_x * s_x (what the
 // Python model computes: the same sum up to fp32 rounding) instead of the integer kernel, whose 4 x 2 blocks
 // are compute-bound. Measured on the 0.8B gate_up (7168 x 1024), 1 thread, integer kernel against packed:

@@ -1,18 +1,21 @@
-"""The AMX-INT8 kernel of int8-activation projections (deltaserve/ops/csrc/linear_amx.h) against the path the
-same call takes without it (the VNNI integer kernel up to INT_KERNEL_ROWS rows, the packed fp32 kernel over
-x~ = q_x * s_x past them), at the Qwen3.5-0.8B projection shapes; and, with --bf16, torch's bf16 matmul (oneDNN,
-which may use AMX-BF16) against the fused step's packed fp32 kernel on bf16 weights.
+"""A tile kernel of int8-activation projections, AMX-INT8 (deltaserve/ops/csrc/linear_amx.h) or the AVX512-VNNI
+tiles (linear_vnni.h), against the path the same call takes without either (the VNNI integer kernel up to
+INT_KERNEL_ROWS rows, the packed fp32 kernel over x~ = q_x * s_x past them), at the Qwen3.5-0.8B projection
+shapes; and, with --bf16, torch's bf16 matmul (oneDNN, which may use AMX-BF16) against the fused step's packed
+fp32 kernel on bf16 weights.
 
-One process, the two switched with ext.set_amx and timed in alternation, `--rounds` times, the best of each
-kept: compare the ratios (old / new: > 1 means AMX is faster). On one thread the time is the thread's CPU time
-(a shared machine's preemptions do not count; its caches and memory bandwidth still do), on more the wall time.
-AMX takes every row count given (ext.set_amx_rows(1)), so that the threshold can be chosen from the ratios.
-    PYTHONPATH=. python benchmarks/bench_amx.py [--shapes mlp.gate_up_proj] [--rows 16 32 64] [--threads 1 2]
-    PYTHONPATH=. python benchmarks/bench_amx.py --bf16 [--rows 64 512]
-    PYTHONPATH=. python benchmarks/bench_amx.py --prefill int8 --rows 512 --threads 1   # the engine, 0.8B shape
+One process, the kernel switched on and off (ext.set_amx, ext.set_vnni_tiles) and timed in alternation,
+`--rounds` times, the best of each kept: compare the ratios (old / new: > 1 means the kernel is faster). On one
+thread the time is the thread's CPU time (a shared machine's preemptions do not count; its caches and memory
+bandwidth still do), on more the wall time. The kernel takes every row count given (its rows threshold set to
+1), so that the threshold can be chosen from the ratios. --kernel: amx where the CPU has it, else vnni.
+    PYTHONPATH=. python benchmarks/bench_tile_kernels.py [--kernel vnni] [--shapes mlp.gate_up_proj] [--rows 16 32]
+    PYTHONPATH=. python benchmarks/bench_tile_kernels.py --bf16 [--rows 64 512]
+    PYTHONPATH=. python benchmarks/bench_tile_kernels.py --prefill int8 --rows 512 --threads 1   # the engine
 
 --prefill: the engine on bench_formats.py's random Qwen3.5-0.8B checkpoint (written there once), quantized to
-the format, one prompt of --rows tokens in one chunk, AMX on and off in alternation (2 rounds, the best of each).
+the format, one prompt of --rows tokens in one chunk, the kernel on and off in alternation (2 rounds, the best
+of each).
 """
 
 from __future__ import annotations
@@ -53,20 +56,27 @@ def alternating(threads: int, first: Callable[[], object], second: Callable[[], 
     return best[0], best[1]
 
 
-def with_amx(ext, on: bool, fn: Callable[[], object]) -> Callable[[], object]:
-    """fn with the AMX kernel switched on or off for the call (and back on after it)."""
+def use_kernel(ext, kernel: str, on: bool) -> None:
+    """The tile kernel `kernel` on (the other one off) or both off."""
+    ext.set_amx(on and kernel == "amx")
+    ext.set_vnni_tiles(on and kernel == "vnni")
+
+
+def with_kernel(ext, kernel: str, on: bool, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn with the tile kernel switched on or off for the call (and back on after it)."""
     def call() -> object:
-        ext.set_amx(on)
+        use_kernel(ext, kernel, on)
         try:
             return fn()
         finally:
-            ext.set_amx(True)
+            use_kernel(ext, kernel, True)
     return call
 
 ROWS = (16, 24, 32, 48, 64, 128, 256, 512)
 
 
-def run_int8(ext, shapes: list[str], formats: list[str], rows: list[int], threads: list[int], rounds: int) -> None:
+def run_int8(ext, kernel: str, shapes: list[str], formats: list[str], rows: list[int], threads: list[int],
+             rounds: int) -> None:
     g = torch.Generator().manual_seed(0)
     for shape, fmt, parts in stored_projections(shapes, formats, g):
         n, k = SHAPES[shape]
@@ -74,12 +84,13 @@ def run_int8(ext, shapes: list[str], formats: list[str], rows: list[int], thread
             x = torch.randn(t, k, generator=g)
             for nthreads in threads:
                 project = partial(ext.linear, x, parts, "int8")
-                amx, old = alternating(nthreads, with_amx(ext, True, project), with_amx(ext, False, project), rounds,
+                new, old = alternating(nthreads, with_kernel(ext, kernel, True, project),
+                                       with_kernel(ext, kernel, False, project), rounds,
                                        max(2, repeat_for(t * n * k) // 2))
                 gmacs = t * n * k / 1e9
-                print(f"{shape:<22} {fmt.name:<5} rows {t:>4} threads {nthreads}  amx {amx * 1e3:8.3f} ms "
-                      f"({gmacs / amx:6.1f} GMAC/s)  old {old * 1e3:8.3f} ms ({gmacs / old:6.1f} GMAC/s)  "
-                      f"old/amx x{old / amx:5.2f}", flush=True)
+                print(f"{shape:<22} {fmt.name:<5} rows {t:>4} threads {nthreads}  {kernel} {new * 1e3:8.3f} ms "
+                      f"({gmacs / new:6.1f} GMAC/s)  old {old * 1e3:8.3f} ms ({gmacs / old:6.1f} GMAC/s)  "
+                      f"old/{kernel} x{old / new:5.2f}", flush=True)
 
 
 def run_bf16(ext, shapes: list[str], rows: list[int], threads: list[int], rounds: int) -> None:
@@ -99,7 +110,7 @@ def run_bf16(ext, shapes: list[str], rows: list[int], threads: list[int], rounds
                       f"GMAC/s)  ours/torch x{ours / theirs:5.2f}", flush=True)
 
 
-def run_prefill(ext, fmt: str, prompt: int, threads: int, rounds: int) -> None:
+def run_prefill(ext, kernel: str, fmt: str, prompt: int, threads: int, rounds: int) -> None:
     from bench_formats import checkpoint
 
     from deltaserve.engine.llm import LLM
@@ -121,15 +132,16 @@ def run_prefill(ext, fmt: str, prompt: int, threads: int, rounds: int) -> None:
         return clock() - start
 
     prefill(0)  # warm-up
-    amx = old = float("inf")
+    new = old = float("inf")
     for r in range(rounds):
-        ext.set_amx(True)
-        amx = min(amx, prefill(2 * r + 1))
-        ext.set_amx(False)
+        use_kernel(ext, kernel, True)
+        new = min(new, prefill(2 * r + 1))
+        use_kernel(ext, kernel, False)
         old = min(old, prefill(2 * r + 2))
-    ext.set_amx(True)
-    print(f"prefill {fmt} {prompt} tokens threads {threads}: amx {prompt / amx:6.1f} tok/s  old {prompt / old:6.1f} "
-          f"tok/s  old/amx x{old / amx:5.2f} ({'CPU' if threads == 1 else 'wall'} time)", flush=True)
+    use_kernel(ext, kernel, True)
+    print(f"prefill {fmt} {prompt} tokens threads {threads}: {kernel} {prompt / new:6.1f} tok/s  old "
+          f"{prompt / old:6.1f} tok/s  old/{kernel} x{old / new:5.2f} ({'CPU' if threads == 1 else 'wall'} time)",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the two paths")
     parser.add_argument("--bf16", action="store_true", help="torch's bf16 matmul against the packed fp32 kernel")
     parser.add_argument("--prefill", choices=["int8", "int4"], help="the engine's prefill at the 0.8B shape")
+    parser.add_argument("--kernel", choices=["amx", "vnni"], help="the tile kernel (default: amx where it runs)")
     args = parser.parse_args(argv)
     from deltaserve.ops.fused_ext import load_extension
 
@@ -149,15 +162,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.bf16:
         run_bf16(ext, args.shapes, args.rows, args.threads, args.rounds)
         return
-    if not ext.amx_supported():
-        raise SystemExit("no AMX-INT8 here (CPU, OS permission or compiler)")
+    kernel = args.kernel or ("amx" if ext.amx_supported() else "vnni")
+    if kernel == "amx" and not ext.amx_supported():
+        raise SystemExit(f"no AMX-INT8 here: {ext.amx_status()}")
+    if kernel == "vnni" and not ext.vnni_tiles_supported():
+        raise SystemExit("no VNNI tiles in this build (AVX512-VNNI)")
     if args.prefill:
         for threads in args.threads:
             for prompt in args.rows:
-                run_prefill(ext, args.prefill, prompt, threads, min(args.rounds, 2))
+                run_prefill(ext, kernel, args.prefill, prompt, threads, min(args.rounds, 2))
         return
     ext.set_amx_rows(1)
-    run_int8(ext, args.shapes, args.formats, args.rows, args.threads, args.rounds)
+    ext.set_vnni_tile_rows(1)
+    run_int8(ext, kernel, args.shapes, args.formats, args.rows, args.threads, args.rounds)
 
 
 if __name__ == "__main__":
