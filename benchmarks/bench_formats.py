@@ -56,13 +56,16 @@ WORKDIR = CACHE / "bench_formats"
 SECTION = "## Weight formats at the 0.8B shape"
 DEMO_TOKENIZER_DIR = ROOT / "deltaserve" / "assets" / "demo"
 
-FORMATS = ("bf16", "fp8", "int8", "int4")
+FORMATS = ("bf16", "bf16-act", "fp8", "int8", "int4")
+# bf16-act: the bf16 checkpoint with activation_quantization "bf16" (every projection reads its rows rounded to
+# bf16, as llama.cpp's BF16 path does; deltaserve/ops/activation_quant.py). The others keep the default.
+ACTIVATION_QUANTIZATION = {"bf16-act": "bf16"}
 # Bytes per weight of each deltaserve format, scales included (deltaserve/ops/formats.py): fp8 E4M3 with one
 # fp32 scale per row and 128 columns (a 128x128 block's scale, kept with each of its rows);
 # int8 / int4 group-wise with one bf16 scale per group of 32 (the default group size).
-BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1 + 4 / 128, "int8": 1 + 2 / 32, "int4": 0.5 + 2 / 32}
+BYTES_PER_WEIGHT = {"bf16": 2.0, "bf16-act": 2.0, "fp8": 1 + 4 / 128, "int8": 1 + 2 / 32, "int4": 0.5 + 2 / 32}
 # The llama.cpp file at the same bytes per weight as each deltaserve format (fp8 has none).
-LLAMA_PEER = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_K_M"}
+LLAMA_PEER = {"bf16": "BF16", "bf16-act": "BF16", "int8": "Q8_0", "int4": "Q4_K_M"}
 LLAMA_FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 # Kept at their stored dtype by every format (as Qwen's FP8 release does); they are small. The MoE router
 # (mlp.gate) and shared-expert gate too (deltaserve/model/linear.py KEEP_UNQUANTIZED).
@@ -134,8 +137,10 @@ def run_deltaserve(job: Job) -> dict:
                   max_model_len=context_tokens(job),
                   max_num_batched_tokens=max(job.prompt, job.requests * BATCH_PROMPT),
                   kv_cache_memory=1 << 30, enable_prefix_caching=False)
-    if job.weights != "bf16":  # the checkpoint's own format needs no parameter
+    if job.weights not in ("bf16", "bf16-act"):  # the checkpoint's own format needs no parameter
         kwargs["quantization"] = job.weights
+    if job.weights in ACTIVATION_QUANTIZATION:
+        kwargs["activation_quantization"] = ACTIVATION_QUANTIZATION[job.weights]
     engine = LLM(**kwargs).engine
 
     def run(prompts: list[list[int]], new: int) -> tuple[float, float]:
@@ -447,8 +452,10 @@ def plan(args: argparse.Namespace, ckpt: Path, ggufs: dict[str, Path]) -> list[t
             if fmt == "bf16" and args.transformers:
                 jobs += [(job("transformers", "fp32", ckpt), sys.executable),
                          (job("transformers", "bf16", ckpt), sys.executable)]
-            if fmt in LLAMA_PEER and LLAMA_PEER[fmt] in ggufs:
-                jobs.append((job("llama.cpp", LLAMA_PEER[fmt], ggufs[LLAMA_PEER[fmt]]), args.peer_python))
+            peer = LLAMA_PEER.get(fmt)
+            ran = any(j.engine == "llama.cpp" and j.weights == peer and j.threads == threads for j, _ in jobs)
+            if peer in ggufs and not ran:  # (bf16 and bf16-act share llama.cpp's BF16 run)
+                jobs.append((job("llama.cpp", peer, ggufs[peer]), args.peer_python))
     return jobs
 
 
@@ -534,7 +541,8 @@ def main() -> None:
     src = None
     if args.llama_cpp:
         src = llama_src(args.llama_cpp_src)
-        ggufs = gguf_files(ckpt, src, args.peer_python, [LLAMA_PEER[f] for f in args.formats if f in LLAMA_PEER])
+        peers = sorted({LLAMA_PEER[f] for f in args.formats if f in LLAMA_PEER})
+        ggufs = gguf_files(ckpt, src, args.peer_python, peers)
     bandwidth = {t: read_bandwidth(t) for t in args.threads}
     print("read bandwidth: " + ", ".join(f"{t} thread(s) {b / 1e9:.1f} GB/s" for t, b in bandwidth.items()))
 

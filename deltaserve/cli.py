@@ -43,8 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="whether --quantization covers lm_head too (default: yes)")
     p.add_argument("--activation-quantization", default=None, choices=ACTIVATION_QUANTIZATIONS,
                    help="int8: int8 / int4 projections quantize their input rows to int8 per group as well and "
-                   "sum integer products (as llama.cpp's Q8 activations); none: they multiply the float rows "
-                   "(default: int8 with --quantization int8 / int4)")
+                   "sum integer products (as llama.cpp's Q8 activations); bf16: every projection rounds its input "
+                   "rows to bf16 (as llama.cpp's BF16 path; bf16 weights then multiply bf16 pairs, about twice as "
+                   "fast on prompts where the CPU has AVX512-BF16); none: they multiply the float rows "
+                   "(default: int8 with --quantization int8 / int4, else none)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltaserve.ops.activation_quant import fake_quantize, reads_int8_activations, resolve_activation_quantization
+from deltaserve.ops.activation_quant import (
+    fake_quantize,
+    reads_bf16_activations,
+    reads_int8_activations,
+    resolve_activation_quantization,
+    round_to_bf16,
+)
 from deltaserve.ops.formats import WeightFormat, dequantize, dequantize_rows
 
 __all__ = ["Embedding", "Linear", "StoredWeights", "WeightPolicy", "quantizable", "scale_name", "shared_activations",
@@ -41,8 +47,8 @@ class StoredWeights(nn.Module):
 
     WEIGHTS: tuple[str, ...] = ("weight",)
     _quantized: WeightFormat | None = None
-    # "int8": an int8 / int4 module quantizes its input rows first (deltaserve/ops/activation_quant.py);
-    # None: a module that reads no activations (the embedding, a lookup)
+    # "int8": an int8 / int4 module quantizes its input rows first; "bf16": every module rounds them to bf16
+    # (deltaserve/ops/activation_quant.py); None: a module that reads no activations (the embedding, a lookup)
     activation_quantization: str | None = "none"
 
     @property
@@ -63,10 +69,12 @@ class StoredWeights(nn.Module):
         return dequantize(getattr(self, name), self.scale(name), self.fmt, self.logical_shape(name)[-1], dtype)
 
     def activations(self, x: torch.Tensor) -> torch.Tensor:
-        """The input rows as this module multiplies them: x, or x quantized to int8 per group and back
-        (activation_quantization "int8" on int8 / int4 weights)."""
+        """The input rows as this module multiplies them: x, x quantized to int8 per group and back
+        (activation_quantization "int8" on int8 / int4 weights) or x rounded to bf16 ("bf16")."""
         if reads_int8_activations(self.activation_quantization, self.fmt):
             return fake_quantize(x, self.fmt.group)
+        if reads_bf16_activations(self.activation_quantization):
+            return round_to_bf16(x)
         return x
 
     def extra_repr(self) -> str:
@@ -118,10 +126,11 @@ class Linear(StoredWeights):
 def shared_activations(x: torch.Tensor, *modules: StoredWeights) -> list[torch.Tensor]:
     """Each module's activations(x) for projections that read the same x (q / k / v, gate / up, ...): x is
     quantized once per group size among them, not once per module (the very tensors each would compute)."""
-    by_group: dict[int | None, torch.Tensor] = {}
+    by_group: dict[int | str | None, torch.Tensor] = {}
     out = []
     for m in modules:
         group = m.fmt.group if reads_int8_activations(m.activation_quantization, m.fmt) else None
+        group = "bf16" if reads_bf16_activations(m.activation_quantization) else group
         if group not in by_group:
             by_group[group] = m.activations(x)
         out.append(by_group[group])

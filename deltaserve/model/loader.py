@@ -161,7 +161,7 @@ def weight_policy(dtype: str | torch.dtype | None, cfg: ModelConfig, quantizatio
                   activation_quantization: str | None = None) -> WeightPolicy:
     """dtype None / "auto": activations in float32 (the CPU's), weights as the checkpoint stores them; a
     dtype named: activations and every unquantized weight in it. quantization: fp8 / int8 / int4.
-    activation_quantization: "int8" / "none" (deltaserve/ops/activation_quant.py), None its default."""
+    activation_quantization: "int8" / "bf16" / "none" (deltaserve/ops/activation_quant.py), None its default."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not supported; accepted: {', '.join(QUANTIZATIONS)}")
     explicit = dtype not in (None, "auto")
@@ -191,13 +191,16 @@ def _materialize(model: torch.nn.Module, cfg: ModelConfig, policy: WeightPolicy,
     conv, A_log, dt_bias) in the activation dtype; embeddings hand out rows in that dtype."""
     head = model.lm_head
     for name, module in model.named_modules():
+        if isinstance(module, Embedding):  # (a tied one too: its rows were handed out in bf16 from a bf16 head)
+            module.out_dtype = policy.dtype
         if isinstance(module, StoredWeights):
             if module is model.model.embed_tokens and cfg.tie_word_embeddings:
                 continue  # the head's weight, below
             store(module, policy.format_for(name, module, stored.get(name) or WeightFormat("float32")))
-            module.activation_quantization = policy.activation_quantization  # (int8 / int4 modules use it)
-        if isinstance(module, Embedding):
-            module.out_dtype = policy.dtype
+            # (int8 / int4 modules use "int8"; "bf16" is the language model's: the vision tower keeps its path)
+            visual = name.startswith("model.visual.")
+            bf16 = policy.activation_quantization == "bf16"
+            module.activation_quantization = "none" if visual and bf16 else policy.activation_quantization
     if cfg.tie_word_embeddings:
         tie(model.model.embed_tokens, head)
     for module in model.modules():

@@ -24,6 +24,15 @@ the same sum, with each product rounded where the reference rounds each group te
 
 The setting applies to int8 and int4 weights only: bf16, fp8 and float32 weights (and the projections
 --quantization leaves unquantized, such as the GDN gates' in_proj_b / in_proj_a) keep their exact float path.
+
+activation_quantization = "bf16" (opt-in, for checkpoints whose weights are not quantized by --quantization
+int8 / int4; typically bf16 ones): every projection of the language model (trunk, MTP head, lm_head) reads
+its input rows rounded to bf16, to nearest even (`round_to_bf16`, torch's x.bfloat16()), as llama.cpp's BF16
+path and a bf16 torch model do, and multiplies them in fp32 with its weights' values. The products of a
+bf16 weight and a bf16 input are exact in fp32, so the fused step's bf16 panels multiply bf16 pairs
+(AVX512-BF16's vdpbf16ps, twice the products per instruction of an fp32 FMA) and still equal
+`round_to_bf16(x) @ w^T` up to the order of fp32 sums (and denormals, which vdpbf16ps flushes to zero). The
+vision tower keeps its own path.
 """
 
 from __future__ import annotations
@@ -34,7 +43,8 @@ from deltaserve.ops.format_names import ACTIVATION_QUANTIZATIONS, INT8_ACTIVATIO
 from deltaserve.ops.formats import WeightFormat, dequantize
 
 __all__ = ["ACTIVATION_QUANTIZATIONS", "INT8_ACTIVATION_WEIGHTS", "fake_quantize", "linear_reference",
-           "quantize_activations", "reads_int8_activations", "resolve_activation_quantization"]
+           "quantize_activations", "reads_bf16_activations", "reads_int8_activations",
+           "resolve_activation_quantization", "round_to_bf16"]
 
 QMAX = 127
 
@@ -47,6 +57,16 @@ def reads_int8_activations(activation_quantization: str, fmt: WeightFormat) -> b
     return activation_quantization == "int8" and fmt.name in INT8_ACTIVATION_WEIGHTS
 
 
+def reads_bf16_activations(activation_quantization: str | None) -> bool:
+    """Whether a projection rounds its input rows to bf16 under the setting (every format does, under "bf16")."""
+    return activation_quantization == "bf16"
+
+
+def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16 (nearest even) and back to its dtype: what a projection reads under "bf16"."""
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
 def resolve_activation_quantization(requested: str | None, quantization: str | None) -> str:
     """The setting for weights quantized to `quantization` (None: the checkpoint's formats): `requested`, checked,
     or for None the default, "int8" for int8 / int4 weights and "none" otherwise. "int8" with weights it does
@@ -57,6 +77,9 @@ def resolve_activation_quantization(requested: str | None, quantization: str | N
     if requested not in ACTIVATION_QUANTIZATIONS:
         raise ValueError(f"activation_quantization {requested!r} is not known; accepted: "
                          f"{', '.join(ACTIVATION_QUANTIZATIONS)}")
+    if requested == "bf16" and quantization in INT8_ACTIVATION_WEIGHTS:
+        raise ValueError(f"activation_quantization 'bf16' applies to weights kept in their float formats, not to "
+                         f"{quantization} weights (they read int8 activations or, with 'none', float ones)")
     if requested == "int8" and quantization not in INT8_ACTIVATION_WEIGHTS:
         raise ValueError("activation_quantization 'int8' applies to int8 or int4 weights (quantization int8 or "
                          f"int4), not to {quantization or 'the checkpoint formats'!r} weights; drop it or pass 'none'")

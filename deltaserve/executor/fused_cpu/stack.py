@@ -28,7 +28,7 @@ import torch
 
 from deltaserve.model.context import CacheTensors, ForwardContext
 from deltaserve.model.moe import SparseMoeBlock
-from deltaserve.ops.activation_quant import INT8_ACTIVATION_WEIGHTS, reads_int8_activations
+from deltaserve.ops.activation_quant import INT8_ACTIVATION_WEIGHTS, reads_bf16_activations, reads_int8_activations
 from deltaserve.ops.attention import FP8
 from deltaserve.ops.formats import QUANTIZATIONS, WeightFormat
 from deltaserve.ops.fused_ext import load_extension
@@ -39,15 +39,18 @@ __all__ = ["FusedMTP", "FusedTrunk", "supported"]
 class _Weights(dict):
     """Tensors by the names FusedStack's constructor reads, the group size of each quantized format they
     hold (one per format in a stack: the C++ takes them as dims), and whether their int8 / int4 weights read
-    int8 activations (int8_activations: one setting per stack, a dim too; None while there are none)."""
+    int8 activations (int8_activations: one setting per stack, a dim too; None while there are none) and whether
+    its projections read bf16-rounded ones (bf16_activations: "bf16", a dim when set)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.groups: dict[str, int] = {}
         self.int8_activations: bool | None = None
+        self.bf16_activations = False
 
     def add_format(self, fmt: WeightFormat, what: str, activation_quantization: str | None = None) -> None:
         """A weight in fmt; activation_quantization: its module's setting (None: one already counted)."""
+        self.bf16_activations |= reads_bf16_activations(activation_quantization)
         if not fmt.quantized:
             return
         if self.groups.setdefault(fmt.name, fmt.group) != fmt.group:
@@ -89,6 +92,7 @@ class _Weights(dict):
             self.add_format(WeightFormat(name, group), name)
         if other.int8_activations is not None:
             self.set_int8_activations(other.int8_activations, "a layer")
+        self.bf16_activations |= other.bf16_activations
 
 
 def supported(model: torch.nn.Module, cache: CacheTensors) -> str | None:
@@ -202,6 +206,8 @@ class _FusedStack:
         dims |= {GROUP_DIMS[name]: group for name, group in head.groups.items()}
         if head.int8_activations:
             dims["int8_activations"] = 1
+        if head.bf16_activations:
+            dims["bf16_activations"] = 1
         vocab_rows = head["embed_tokens.weight"].shape[0]
         dims["vocab_size"] = vocab_rows  # under tensor parallelism the rank's rows of the padded vocabulary
         self._impl = ext.FusedStack(dims, cfg.rms_norm_eps, head, [layer.layer_type for layer in layers], weights, mtp)

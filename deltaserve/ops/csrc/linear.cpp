@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -13,6 +14,23 @@
 #include "simd.h"
 
 namespace deltaserve {
+
+namespace {
+std::atomic<int64_t> bf16_panels{0};
+}  // namespace
+
+int64_t bf16_pair_panels() { return bf16_panels.load(std::memory_order_relaxed); }
+
+void round_to_bf16(const float* x, int64_t n, float* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, x + i, sizeof(b));
+    const bool nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
+    b = nan ? (b | 0x00400000u) & 0xFFFF0000u : (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;  // nearest even
+    std::memcpy(out + i, &b, sizeof(b));
+  }
+}
 
 Format format_named(const std::string& name) {
   if (name == "float32") return Format::kFloat32;
@@ -65,9 +83,11 @@ WeightPart make_part(const at::Tensor& data, const at::Tensor& scale, Format for
   return p;
 }
 
-Linear make_linear(std::vector<WeightPart> parts, bool int8_activations) {
+Linear make_linear(std::vector<WeightPart> parts, bool int8_activations, bool bf16_activations) {
+  TORCH_CHECK(!(int8_activations && bf16_activations), "a projection reads int8 or bf16 activations, not both");
   Linear l;
   l.int8_activations = int8_activations;
+  l.bf16_activations = bf16_activations;
   TORCH_CHECK(!parts.empty(), "a projection needs at least one part");
   l.K = parts[0].K;
   for (const WeightPart& p : parts) {
@@ -426,10 +446,104 @@ void tile_rows_bf16(const float* x, int64_t ldx, int64_t kb, const uint16_t* til
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// tile [ceil(kb / 2) pairs][64 outputs] of 32-bit words = w[n0 + j, k0 + 2i .. k0 + 2i + 1] of bf16 parts (low
+// half: the even input), the columns past ncols and an odd kb's last high half zero: vdpbf16ps's operand,
+// 16 outputs' pairs per vector.
+void pack_tile_pairs(const Linear& l, int64_t n0, int64_t ncols, int64_t k0, int64_t kb, uint32_t* tile) {
+  const uint16_t* row[kPanel];
+  for (int64_t j = 0; j < kPanel; ++j) {
+    row[j] = nullptr;
+    if (j >= ncols) continue;
+    const int64_t i = part_of(l, n0 + j);
+    const WeightPart& p = l.parts[i];
+    row[j] = reinterpret_cast<const uint16_t*>(bytes_of(p) + (n0 + j - l.starts[i]) * p.row_bytes) + k0;
+  }
+  for (int64_t j0 = 0; j0 < kPanel; j0 += 16) {
+    for (int64_t kc = 0; kc < kb; kc += 32) {  // 16 pairs of inputs
+      const int64_t n = std::min<int64_t>(32, kb - kc);
+      const __mmask32 valid = n == 32 ? ~0u : (1u << n) - 1;
+      __m512 v[16];  // v[i]: output j0 + i's 16 pairs
+      for (int64_t i = 0; i < 16; ++i) {
+        const uint16_t* r = row[j0 + i];
+        v[i] = r ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(valid, r + kc)) : _mm512_setzero_ps();
+      }
+      transpose16(v);  // v[i]: pair i of the 16 outputs
+      for (int64_t i = 0; i < (n + 1) / 2; ++i) _mm512_storeu_ps(tile + (kc / 2 + i) * kPanel + j0, v[i]);
+    }
+  }
+}
+
+// x[0, kb) (values already bf16, apply rounded them) as kb / 2 pairs of bf16 (an odd kb's last high half 0).
+void pairs_of(const float* x, int64_t kb, uint32_t* pairs) {
+  for (int64_t k = 0; k < kb; k += 32) {
+    const int64_t n = std::min<int64_t>(32, kb - k);
+    const __m512 lo = _mm512_maskz_loadu_ps(n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1), x + k);
+    const __m512 hi = n > 16 ? _mm512_maskz_loadu_ps(n >= 32 ? 0xFFFF : static_cast<__mmask16>((1u << (n - 16)) - 1),
+                                                     x + k + 16)
+                             : _mm512_setzero_ps();
+    const __m512bh b = _mm512_cvtne2ps_pbh(hi, lo);  // exact: the values are bf16
+    const int64_t words = (n + 1) / 2;
+    _mm512_mask_storeu_epi32(pairs + k / 2, words >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << words) - 1),
+                             reinterpret_cast<const __m512i&>(b));
+  }
+}
+
+// y[r, 0 .. ncols) (+)= x[r] . the tile's outputs for R rows of bf16 pairs (np pairs, rows ldx words apart):
+// R x 64 fp32 accumulators, each pair of products added by vdpbf16ps (exact products, each sum rounded to fp32
+// as an FMA's; denormal inputs and results flushed to zero, which no reference result depends on).
+template <int R>
+void tile_rows_pairs(const uint32_t* x, int64_t ldx, int64_t np, const uint32_t* tile, float* y, int64_t ldy,
+                     int64_t ncols, bool accumulate) {
+  __mmask16 mask[4];
+  for (int j = 0; j < 4; ++j) {
+    const int64_t n = std::clamp<int64_t>(ncols - 16 * j, 0, 16);
+    mask[j] = static_cast<__mmask16>((1u << n) - 1);
+  }
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) {
+      acc[r][j] = accumulate ? _mm512_maskz_loadu_ps(mask[j], y + r * ldy + 16 * j) : _mm512_setzero_ps();
+    }
+  }
+  for (int64_t p = 0; p < np; ++p) {
+    __m512bh w[4];
+    for (int j = 0; j < 4; ++j) w[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(tile + p * kPanel + 16 * j));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[r * ldx + p])));
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, w[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask[j], acc[r][j]);
+  }
+}
+#endif
+
 // Rows [r0, r1) of x times panel p's outputs, into out (ld ldo), through the packed kernel.
 void packed_panel(const Linear& l, const float* x, int64_t r0, int64_t r1, int64_t n0, int64_t ncols, float* tile,
                   float* out, int64_t ldo) {
   const int64_t K = l.K;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if (l.bf16_activations && bf16_outputs(l, n0, ncols)) {  // bf16 x bf16 pairs (the tile's fp32 room holds them)
+    bf16_panels.fetch_add(1, std::memory_order_relaxed);
+    uint32_t* tile32 = reinterpret_cast<uint32_t*>(tile);
+    thread_local std::vector<uint32_t> xp;  // 6 rows' pairs of one K block
+    for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
+      const int64_t kb = std::min(kKBlock, K - k0), np = (kb + 1) / 2;
+      pack_tile_pairs(l, n0, ncols, k0, kb, tile32);
+      xp.resize(6 * np);
+      for (int64_t t = r0; t < r1; t += 6) {
+        const int64_t rows = std::min<int64_t>(6, r1 - t);
+        for (int64_t r = 0; r < rows; ++r) pairs_of(x + (t + r) * K + k0, kb, xp.data() + r * np);
+        with_rows<6>(rows, [&](auto R) {
+          tile_rows_pairs<decltype(R)::value>(xp.data(), np, np, tile32, out + (t - r0) * ldo, ldo, ncols, k0 > 0);
+        });
+      }
+    }
+    return;
+  }
+#endif
 #if defined(__AVX512F__)
   if (bf16_outputs(l, n0, ncols)) {  // the tile in bf16 (the tile's fp32 room holds it)
     uint16_t* tile16 = reinterpret_cast<uint16_t*>(tile);
@@ -532,6 +646,12 @@ at::Tensor apply(const Linear& l, const at::Tensor& x, int64_t* argmax) {
   at::Tensor y = argmax == nullptr ? at::empty({T, l.N}, x.options()) : at::Tensor();
   if (T == 0) return y;
   const float* xp = x.data_ptr<float>();
+  std::vector<float> rounded;  // bf16 activations: the rows every kernel then reads
+  if (l.bf16_activations) {
+    rounded.resize(T * l.K);
+    round_to_bf16(xp, T * l.K, rounded.data());
+    xp = rounded.data();
+  }
   // x quantized once for the int8-activation parts (linear_int.h), if l has any: they run its integer kernel
   const ActivationRows int8_rows = quantize_activations(l, xp, T);
   project_rows(l, xp, 0, T, int8_rows, argmax == nullptr ? y.data_ptr<float>() : nullptr, argmax);
@@ -542,6 +662,12 @@ void apply_rows(const Linear& l, const float* x, int64_t r0, int64_t r1, const A
   TORCH_CHECK(int8_rows.defined() || std::none_of(l.parts.begin(), l.parts.end(), [&](const WeightPart& p) {
     return reads_int8_activations(l, p);
   }), "apply_rows: a projection with int8 activations needs its rows quantized");
+  if (l.bf16_activations) {  // its rows rounded (no int8 rows: the two schemes exclude each other)
+    thread_local std::vector<float> rounded;
+    rounded.resize((r1 - r0) * l.K);
+    round_to_bf16(x + r0 * l.K, (r1 - r0) * l.K, rounded.data());
+    return project_rows(l, rounded.data(), 0, r1 - r0, int8_rows, y, nullptr);
+  }
   project_rows(l, x, r0, r1, int8_rows, y, nullptr);
 }
 

@@ -20,13 +20,24 @@ struct Linear {
   int64_t N = 0, K = 0;
   // Whether its int8 / int4 parts quantize x to int8 first (activation_quantization = "int8"; linear_int.h).
   bool int8_activations = false;
+  // Whether every part reads x rounded to bf16 (activation_quantization = "bf16"; deltaserve/ops/
+  // activation_quant.py): apply / apply_rows round the rows first, and panels of bf16 weights then multiply
+  // bf16 pairs (vdpbf16ps, twice the fp32 FMA's products per instruction) where the CPU has AVX512-BF16.
+  bool bf16_activations = false;
 
   bool defined() const { return N > 0; }
 };
 
 // The Linear of these parts (make_part checked each; all of K inputs); int8_activations: whether its int8 /
-// int4 parts read int8 activations.
-Linear make_linear(std::vector<WeightPart> parts, bool int8_activations);
+// int4 parts read int8 activations; bf16_activations: whether its parts read x rounded to bf16 (not both).
+Linear make_linear(std::vector<WeightPart> parts, bool int8_activations, bool bf16_activations = false);
+
+// x's n values rounded to bf16 (to nearest even, as torch's x.bfloat16() does; NaN stays NaN) and widened
+// back, into out (which may be x).
+void round_to_bf16(const float* x, int64_t n, float* out);
+
+// How many panels the bf16-pair kernel has computed in this process (tests check that it ran).
+int64_t bf16_pair_panels();
 
 // Outputs are computed 64 at a time (a "panel": what a thread takes, what the argmax and the greedy screen
 // reduce over).

@@ -136,13 +136,15 @@ void route_rows(const MoeDims& d, const float* logits, int64_t T, int64_t ld, in
 }  // namespace
 
 std::vector<Linear> expert_linears(const at::Tensor& experts, const at::Tensor& scales, Format format, int64_t group,
-                                   int64_t K, bool int8_activations, const std::string& what) {
+                                   int64_t K, bool int8_activations, const std::string& what,
+                                   bool bf16_activations) {
   TORCH_CHECK(experts.dim() == 3 && (!scales.defined() || (scales.dim() == 3 && scales.size(0) == experts.size(0))),
               what, ": experts [E, N, K'] and scales [E, N, groups] expected");
   std::vector<Linear> out;
   for (int64_t e = 0; e < experts.size(0); ++e) {
     const at::Tensor scale = scales.defined() ? scales.select(0, e) : at::Tensor();
-    out.push_back(make_linear({make_part(experts.select(0, e), scale, format, group, K, what)}, int8_activations));
+    out.push_back(make_linear({make_part(experts.select(0, e), scale, format, group, K, what)}, int8_activations,
+                              bf16_activations));
   }
   return out;
 }

@@ -31,10 +31,11 @@ struct MoeWeights {
 };
 
 // One projection per expert e of K inputs: row block e of the model's 3-D data [E, N, K'] and, for a quantized
-// format, of its scales [E, N, groups] (undefined otherwise), read where they are; int8_activations as
-// make_linear's. `what` names them in errors.
+// format, of its scales [E, N, groups] (undefined otherwise), read where they are; int8_activations and
+// bf16_activations as make_linear's. `what` names them in errors.
 std::vector<Linear> expert_linears(const at::Tensor& experts, const at::Tensor& scales, Format format, int64_t group,
-                                   int64_t K, bool int8_activations, const std::string& what);
+                                   int64_t K, bool int8_activations, const std::string& what,
+                                   bool bf16_activations = false);
 
 // The routing of x's rows: expert ids and weights [T, k] as moe.py's SparseMoeBlock.route (softmax in
 // fp32 over the router logits [T, E], torch.topk's choice and order, ties included).

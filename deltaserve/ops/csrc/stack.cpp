@@ -97,7 +97,7 @@ class NamedTensors {
   Linear projection(const std::vector<std::pair<std::string, int64_t>>& parts, int64_t K, const Dims& d) {
     std::vector<WeightPart> weights;
     for (const auto& [name, rows] : parts) weights.push_back(weight(name, rows, K, d));
-    return make_linear(std::move(weights), d.int8_activations);
+    return make_linear(std::move(weights), d.int8_activations, d.bf16_activations);
   }
 
   bool has(const std::string& name) const { return tensors_.count(name) != 0; }
@@ -147,6 +147,8 @@ Dims dims_by_name(std::map<std::string, int64_t> dims, double eps) {
   }
   // activation_quantization = "int8" (present and 1): the int8 / int4 projections read int8 activations
   if (dims.count("int8_activations") != 0) d.int8_activations = take("int8_activations", true) != 0;
+  // activation_quantization = "bf16" (present and 1): every projection reads its rows rounded to bf16
+  if (dims.count("bf16_activations") != 0) d.bf16_activations = take("bf16_activations", true) != 0;
   d.conv_dim = 2 * d.hk * d.dk + d.hv * d.dv;
   d.eps = static_cast<float>(eps);
   for (const auto& [name, v] : dims) TORCH_CHECK(false, "FusedStack: unexpected dim ", name);
@@ -177,7 +179,8 @@ MoeWeights take_moe(NamedTensors& w, const Dims& d) {
     Format format;
     const auto [experts, scales] = w.stored(name, {E, N}, K, format);
     (N == H ? out.down : out.gate_up) = expert_linears(experts, scales, format, d.group(format), K,
-                                                       d.int8_activations, "FusedStack: " + w.where() + name);
+                                                       d.int8_activations, "FusedStack: " + w.where() + name,
+                                                       d.bf16_activations);
   }
   return out;
 }
@@ -266,7 +269,8 @@ FusedStack::FusedStack(std::map<std::string, int64_t> dims, double eps, std::map
                                 {"self_attn.v_proj.weight", kv_rows}},
                                H, d_);
       // k | v alone, the same tensors
-      l.a.kv_w = make_linear({l.a.qkv_w.parts[1], l.a.qkv_w.parts[2]}, l.a.qkv_w.int8_activations);
+      l.a.kv_w = make_linear({l.a.qkv_w.parts[1], l.a.qkv_w.parts[2]}, l.a.qkv_w.int8_activations,
+                             l.a.qkv_w.bf16_activations);
       l.a.q_scale = w.take("self_attn.q_norm.scale", {d_.hd});
       l.a.k_scale = w.take("self_attn.k_norm.scale", {d_.hd});
       l.a.o_w = w.projection({{"self_attn.o_proj.weight", H}}, d_.nh * d_.hd, d_);
@@ -405,7 +409,7 @@ at::Tensor FusedStack::logits(const at::Tensor& hidden) {
 
 at::Tensor FusedStack::greedy_tokens(const at::Tensor& hidden) {
   check_hidden(hidden);
-  const at::Tensor h = hidden.contiguous();
+  const at::Tensor h = lm_head_input(hidden);
   at::Tensor out = at::empty({h.size(0)}, h.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   Timed timed(slot(kProjections));
@@ -423,7 +427,7 @@ at::Tensor FusedStack::masked_greedy_tokens(const at::Tensor& hidden, const at::
   TORCH_CHECK(allowed.scalar_type() == at::kInt && allowed.dim() == 2 && allowed.size(0) == R &&
                   allowed.size(1) == words,
               "masked_greedy_tokens: allowed must be int32 [", R, ", ", words, "] (a bitmask per row)");
-  const at::Tensor h = hidden.contiguous(), bits = allowed.contiguous();
+  const at::Tensor h = lm_head_input(hidden), bits = allowed.contiguous();
   at::Tensor out = at::empty({R}, h.options().dtype(at::kLong));
   Timed timed(slot(kProjections));
   masked_argmax(lm_head_, h, bits.data_ptr<int32_t>(), words, out.data_ptr<int64_t>());
@@ -466,6 +470,12 @@ std::vector<double> FusedStack::profile() {
   std::vector<double> out(spent_.begin(), spent_.end());
   spent_.fill(0.0);
   return out;
+}
+
+at::Tensor FusedStack::lm_head_input(const at::Tensor& hidden) const {
+  // bf16 activations: the greedy screen and the masked argmax read h themselves, so it is rounded here
+  if (!lm_head_.bf16_activations) return hidden.contiguous();
+  return hidden.to(at::kBFloat16).to(at::kFloat).contiguous();
 }
 
 void FusedStack::check_hidden(const at::Tensor& hidden) const {

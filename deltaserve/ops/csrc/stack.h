@@ -35,6 +35,7 @@ struct Dims {
   MoeDims moe;                               // sparse MLPs (0 experts in a dense model)
   int64_t fp8_group = 0, int8_group = 0, int4_group = 0;  // columns per scale (0: no such weights)
   bool int8_activations = false;  // int8 / int4 projections quantize their input rows (linear_int.h)
+  bool bf16_activations = false;  // every projection reads its input rows rounded to bf16 (linear.h)
   float eps;
 
   int64_t group(Format f) const {
@@ -154,6 +155,8 @@ class FusedStack {
   void replace_rows(at::Tensor& x, const at::Tensor& rows, const at::Tensor& embeds) const;
 
   void check_hidden(const at::Tensor& hidden) const;
+  // hidden as the lm_head reads it (contiguous; rounded to bf16 under bf16 activations)
+  at::Tensor lm_head_input(const at::Tensor& hidden) const;
   at::Tensor project(const Linear& l, const at::Tensor& x);
   at::Tensor sparse_mlp(const MoeWeights& w, const at::Tensor& h);
   at::Tensor gdn(const GdnWeights& w, const at::Tensor& h, const Batch& bt, const at::Tensor& spec_conv,
