@@ -1,8 +1,8 @@
 """A tile kernel of int8-activation projections, AMX-INT8 (deltaserve/ops/csrc/linear_amx.h) or the AVX512-VNNI
 tiles (linear_vnni.h), against the path the same call takes without either (the VNNI integer kernel up to
 INT_KERNEL_ROWS rows, the packed fp32 kernel over x~ = q_x * s_x past them), at the Qwen3.5-0.8B projection
-shapes; and, with --bf16, torch's bf16 matmul (oneDNN, which may use AMX-BF16) against the fused step's packed
-fp32 kernel on bf16 weights.
+shapes; and, with --bf16, the fused step's kernels on bf16 weights: the packed fp32 one against the bf16-pair
+one (activation_quantization "bf16") and torch's bf16 matmul (oneDNN, which may use AMX-BF16).
 
 One process, the kernel switched on and off (ext.set_amx, ext.set_vnni_tiles) and timed in alternation,
 `--rounds` times, the best of each kept: compare the ratios (old / new: > 1 means the kernel is faster). On one
@@ -94,6 +94,8 @@ def run_int8(ext, kernel: str, shapes: list[str], formats: list[str], rows: list
 
 
 def run_bf16(ext, shapes: list[str], rows: list[int], threads: list[int], rounds: int) -> None:
+    """bf16 weights: the packed fp32 kernel on x (activation_quantization "none") against the bf16-pair kernel
+    on x rounded to bf16 ("bf16", vdpbf16ps where the build has AVX512-BF16) and against torch's bf16 matmul."""
     g = torch.Generator().manual_seed(0)
     for shape, _, parts in stored_projections(shapes, ["bfloat16"], g):
         n, k = SHAPES[shape]
@@ -101,13 +103,15 @@ def run_bf16(ext, shapes: list[str], rows: list[int], threads: list[int], rounds
         for t in rows:
             x = torch.randn(t, k, generator=g)
             for nthreads in threads:
-                ours, theirs = alternating(nthreads, partial(ext.linear, x, parts, "none"),
-                                           lambda x=x, w=w: (x.bfloat16() @ w.T).float(), rounds,
-                                           max(2, repeat_for(t * n * k) // 2))
+                repeat = max(2, repeat_for(t * n * k) // 2)
+                ours, pairs = alternating(nthreads, partial(ext.linear, x, parts, "none"),
+                                          partial(ext.linear, x, parts, "bf16"), rounds, repeat)
+                _, theirs = alternating(nthreads, partial(ext.linear, x, parts, "none"),
+                                        lambda x=x, w=w: (x.bfloat16() @ w.T).float(), rounds, repeat)
                 gmacs = t * n * k / 1e9
-                print(f"{shape:<22} bf16  rows {t:>4} threads {nthreads}  packed fp32 {ours * 1e3:8.3f} ms "
-                      f"({gmacs / ours:6.1f} GMAC/s)  torch bf16 {theirs * 1e3:8.3f} ms ({gmacs / theirs:6.1f} "
-                      f"GMAC/s)  ours/torch x{ours / theirs:5.2f}", flush=True)
+                print(f"{shape:<22} bf16  rows {t:>4} threads {nthreads}  packed fp32 {gmacs / ours:6.1f} GMAC/s  "
+                      f"bf16 pairs {gmacs / pairs:6.1f} GMAC/s (x{ours / pairs:4.2f})  torch bf16 "
+                      f"{gmacs / theirs:6.1f} GMAC/s (x{ours / theirs:4.2f})", flush=True)
 
 
 def run_prefill(ext, kernel: str, fmt: str, prompt: int, threads: int, rounds: int) -> None:
