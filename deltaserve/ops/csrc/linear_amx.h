@@ -31,7 +31,7 @@ struct QuantizedRows;  // linear_int.h
 
 // From this many rows on, int8-activation parts run the AMX kernel where it is available and the group
 // allows it (amx_step). Measured against the VNNI kernel (up to kIntKernelRows) and the packed fp32 one over x~
-// (benchmarks/bench_amx.py, 0.8B gate_up / down_proj / in_proj, int8 and int4, old / AMX, a loaded machine):
+// (benchmarks/bench_tile_kernels.py, 0.8B gate_up / down_proj / in_proj, int8 and int4, old / AMX, a loaded machine):
 // 1 thread (CPU time) 8 rows 0.98-1.26x, 12 rows 1.37-2.00x, 16 rows 1.94-2.76x, 32 rows 2.65-3.96x, 512 rows
 // 2.81-4.73x; 2 threads (wall) 8 rows 0.99-1.45x, 12 rows 1.41-2.21x, 512 rows 3.3-6.8x.
 constexpr int64_t kAmxRows = 12;
