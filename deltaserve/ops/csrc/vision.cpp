@@ -45,9 +45,9 @@ inline float gelu_tanh(float v) {
 }
 
 // erf(x) as a rational function of x (x^2 in a degree-6 and a degree-4 polynomial; Eigen's and TensorFlow's
-// float erf) over x clamped to [-4, 4], where erf is 1 to fp32's precision: within a few ulp of erf, and
-// without calls or branches so that loops using it vectorize (libm's erff, called element by element, was a
-// tenth of a small tower's merger).
+// float erf) over x clamped to [-4, 4], where erf is 1 to fp32's precision: within 7 ulp and 4.2e-7 of erf
+// (measured in fp32 over [-6, 6]), and without calls or branches so that loops using it vectorize (libm's
+// erff, called element by element, was a tenth of a small tower's merger).
 inline float verf(float x) {
   x = std::min(std::max(x, -4.0f), 4.0f);
   const float x2 = x * x;
