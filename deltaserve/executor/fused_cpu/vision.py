@@ -22,9 +22,10 @@ projection's stored weight read where it is by the step's own linear kernels (op
 registers, the biases and LayerNorms as stored (fp32), and the patch embedding the same kernel on the stored
 conv weight. Its numbers are the reference's fp32 ones (model/vision.py on fp32 input) up to the order of the
 sums. The reason is time, not accuracy: a product of the demo's tower (64 patches, width 128) cost torch's
-oneDNN bf16 kernel 40-70 us whatever its size, and with the ops between them that was 2-3 ms a call, where the
-fp32 scheme takes about half (docs/benchmarks.md, "Vision vs transformers, the demo"). From larger calls on, the
-bf16 products' twice-as-fast arithmetic wins (measured on an AMD EPYC with AVX512-BF16).
+oneDNN bf16 kernel 40-110 us, little related to its size, and with the torch ops between them a call took
+2.3-2.6 ms, where the fp32 scheme takes 1.4-2.0 (2 and 1 threads, an AMD EPYC; docs/benchmarks.md, "Vision vs
+transformers, the demo: small calls in fp32"). From larger calls on (about 144 rows at width 128, 21-36 at width
+768, 1 thread), the bf16 products' twice-as-fast arithmetic wins.
 
 Projections in any other format (float32, fp8, int8 / int4 with their activation quantization) run the
 module's own forward, and the patch embedding, rotary and the rest are the reference's, so an fp32 tower
