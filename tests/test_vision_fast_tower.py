@@ -98,6 +98,12 @@ def test_small_bf16_tower_call_runs_in_fp32_in_the_cpp_step_within_fp32_rounding
     assert seen.dtypes == [] and fast.dtype == torch.float32
     scale = reference.abs().max().item()
     torch.testing.assert_close(fast, reference, atol=1e-4 * scale, rtol=1e-4)
+    # It reads the model's own tensors: the stored bf16 weights, the fp32 biases and the conv weight, no copies.
+    tower = bf16_llm.engine.executor._vision
+    (weight, _, fmt, _), bias = tower.fp32_blocks[0][1]  # the first block's qkv
+    qkv = visual.blocks[0].attn.qkv
+    assert fmt == "bfloat16" and weight.data_ptr() == qkv.weight.data_ptr() and bias.data_ptr() == qkv.bias.data_ptr()
+    assert tower.fp32_patch[0][0].data_ptr() == visual.patch_embed.proj.weight.data_ptr()
 
 
 def test_bf16_tower_runs_bf16_dot_products_within_bf16_rounding(bf16_llm, monkeypatch):
