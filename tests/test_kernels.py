@@ -1,7 +1,8 @@
 """Each kernel of the fused C++ step (deltaserve/ops/csrc) alone against its reference in deltaserve/ops or
 deltaserve/model, on random inputs: the projections (every weight format against formats.dequantize), RMSNorm
 and gated RMSNorm, RoPE, the GDN conv + recurrence (prompt, decode and verify tokens, from zero and from a given
-state) and the paged attention loop (decode and prompt chunks, GQA groups, partial last blocks)."""
+state), the paged attention loop (decode and prompt chunks, GQA groups, partial last blocks), and the vision
+tower's bf16 element-wise steps and fp32 blocks and merger."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from deltaserve.config import VisionConfig
 from deltaserve.model.gdn import l2norm
 from deltaserve.model.layers import GatedRMSNorm, RMSNorm, RotaryEmbedding
+from deltaserve.model.vision import PatchMerger, VisionBlock
 from deltaserve.model.vision import rotate as vision_rotate
 from deltaserve.ops.attention import decode_attention, prefill_attention, quantize_fp8
 from deltaserve.ops.conv import causal_conv1d_reference
@@ -215,6 +218,95 @@ def test_add_layer_norm_bf16_adds_the_product_then_normalizes_like_torch(ext) ->
         ext.add_layer_norm_bf16(x, y[:, :-1].contiguous(), weight, bias, 1e-6)
     with pytest.raises(RuntimeError, match="weight, bias"):
         ext.add_layer_norm_bf16(x, y, weight[:-1].contiguous(), bias[:-1].contiguous(), 1e-6)
+
+
+# The fp32 scheme of a small vision tower (vision.h): its reference is model/vision.py on fp32 input, whose
+# products widen the stored weights exactly; LayerNorms, GELU, the softmax's exp and the sums run in other orders
+# or approximations, on values of unit scale.
+VISION_F32_TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def _vision_config(act: str = "gelu_pytorch_tanh") -> VisionConfig:
+    return VisionConfig(depth=1, hidden_size=48, num_heads=3, intermediate_size=80, patch_size=8,
+                        temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=40, num_position_embeddings=16,
+                        hidden_act=act)
+
+
+def _randomized(module: torch.nn.Module, g: torch.Generator, bf16: tuple[str, ...]) -> torch.nn.Module:
+    """module with random LayerNorms (weights near 1) and biases, the projections named in bf16 stored in bf16
+    (the others fp32), as the loader stores a checkpoint's."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    for name in bf16:
+        linear = module.get_submodule(name)
+        linear.weight = torch.nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+    return module.eval()
+
+
+def _norm_spec(norm: torch.nn.LayerNorm) -> tuple:
+    return norm.weight.detach(), norm.bias.detach(), norm.eps
+
+
+def _projection_spec(linear: torch.nn.Module) -> tuple:
+    return (linear.weight.detach(), None, linear.fmt.name, 0), linear.bias.detach()
+
+
+def _vision_tables(N: int, hd: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = 20 * torch.rand(N, hd // 2, generator=g)
+    return torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu", "silu", "quick_gelu"])
+def test_vision_block_f32_is_the_vision_block_on_fp32_input(ext, act) -> None:
+    """One VisionBlock in fp32 in place on the residual stream: qkv and fc1 stored in bf16, proj and fc2 in fp32
+    (each read where it is); three segments (frames) of unequal length, each attending within itself."""
+    g = torch.Generator().manual_seed(5)
+    cfg = _vision_config(act)
+    block = _randomized(VisionBlock(cfg), g, bf16=("attn.qkv", "mlp.linear_fc1"))
+    segments = [5, 23, 12]
+    N = sum(segments)
+    x = torch.randn(N, cfg.hidden_size, generator=g)
+    cos, sin = _vision_tables(N, cfg.head_dim, g)
+    with torch.no_grad():
+        expected = block(x, cos, sin, segments)
+    spec = (_norm_spec(block.norm1), _projection_spec(block.attn.qkv), _projection_spec(block.attn.proj),
+            _norm_spec(block.norm2), _projection_spec(block.mlp.linear_fc1), _projection_spec(block.mlp.linear_fc2))
+    ext.vision_block_f32(x, *spec, cfg.num_heads, act, cos, sin, segments)
+    torch.testing.assert_close(x, expected, **VISION_F32_TOL)
+    # One segment of all rows is another attention: the segments are honoured.
+    whole = x.clone()
+    ext.vision_block_f32(whole, *spec, cfg.num_heads, act, cos, sin, [N])
+    with torch.no_grad():
+        assert not torch.allclose(whole, block(x, cos, sin, segments), **VISION_F32_TOL)
+    with pytest.raises(RuntimeError, match="segments: row counts summing to N = 40"):
+        ext.vision_block_f32(x, *spec, cfg.num_heads, act, cos, sin, [5, 23])
+    with pytest.raises(RuntimeError, match="vision activation 'relu' is not known"):
+        ext.vision_block_f32(x, *spec, cfg.num_heads, "relu", cos, sin, segments)
+    with pytest.raises(RuntimeError, match="qkv: a contiguous float32 bias"):
+        ext.vision_block_f32(x, spec[0], (spec[1][0], spec[1][1][:-1]), *spec[2:], cfg.num_heads, act, cos, sin,
+                             segments)
+
+
+def test_vision_merger_f32_is_the_patch_merger_on_fp32_input(ext) -> None:
+    """PatchMerger in fp32: each 2x2 block's four normed rows side by side through fc1 (bf16), exact GELU and fc2
+    (fp32) to the text width."""
+    g = torch.Generator().manual_seed(6)
+    cfg = _vision_config()
+    merger = _randomized(PatchMerger(cfg), g, bf16=("linear_fc1",))
+    x = 2 * torch.randn(36, cfg.hidden_size, generator=g)
+    with torch.no_grad():
+        expected = merger(x)
+    got = ext.vision_merger_f32(x, _norm_spec(merger.norm), merger.merged, _projection_spec(merger.linear_fc1),
+                                _projection_spec(merger.linear_fc2))
+    assert got.shape == (9, cfg.out_hidden_size)
+    torch.testing.assert_close(got, expected, **VISION_F32_TOL)
+    with pytest.raises(RuntimeError, match="a multiple of merged"):
+        ext.vision_merger_f32(x[:-1].contiguous(), _norm_spec(merger.norm), merger.merged,
+                              _projection_spec(merger.linear_fc1), _projection_spec(merger.linear_fc2))
 
 
 def test_rms_norm_matches_the_model_norm(ext) -> None:

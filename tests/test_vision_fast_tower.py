@@ -1,7 +1,7 @@
 """The fused executor's vision tower (deltaserve/executor/fused_cpu/vision.py) against the torch tower it reads
-(model/vision.py, the reference) and transformers: the same numbers for an fp32 checkpoint, bf16 dot products
-within bf16's rounding for a bf16 one (patch embedding included), and the module's own forward for a quantized
-one."""
+(model/vision.py, the reference) and transformers: the same numbers for an fp32 checkpoint; for a bf16 one, a
+small call in fp32 in the C++ step within fp32's rounding and a larger one as bf16 dot products within bf16's
+rounding (patch embedding included); and the module's own forward for a quantized one."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltaserve import LLM
+from deltaserve.executor.fused_cpu import vision as fast_vision
 from deltaserve.executor.fused_cpu.vision import KEPT_FRAME_SIZES
 from tests.test_vision_tower import GRIDS, _pixels
 from tests.vision_checkpoint import VISION, random_hf_vision_model, save_vision_checkpoint
@@ -80,9 +81,34 @@ def test_fp32_tower_gives_the_reference_numbers_and_transformers(hf, tmp_path):
     assert len(tower._tables) == KEPT_FRAME_SIZES
 
 
-def test_bf16_tower_runs_bf16_dot_products_within_bf16_rounding(hf, tmp_path):
-    path = save_vision_checkpoint(copy.deepcopy(hf).to(torch.bfloat16), tmp_path / "ck16")
-    llm = LLM(str(path), enable_prefix_caching=False)
+@pytest.fixture(scope="module")
+def bf16_llm(hf, tmp_path_factory):
+    path = save_vision_checkpoint(copy.deepcopy(hf).to(torch.bfloat16), tmp_path_factory.mktemp("ck16") / "ck")
+    return LLM(str(path), enable_prefix_caching=False)
+
+
+def test_small_bf16_tower_call_runs_in_fp32_in_the_cpp_step_within_fp32_rounding(bf16_llm):
+    """GRIDS' 164 patches x width 32 are under SMALL_CALL_VALUES: the fp32 scheme, no torch product at all, and
+    the reference's fp32 numbers (bf16 weights widened exactly) up to the order of the sums: within 1e-4 of the
+    output's scale, where the bf16 scheme is held to 2e-2."""
+    visual = bf16_llm.engine.model.visual
+    pixels = _pixels(GRIDS, visual.config.patch_dim)
+    assert pixels.shape[0] * visual.config.hidden_size <= fast_vision.SMALL_CALL_VALUES
+    fast, reference, seen = _encode(bf16_llm, pixels)
+    assert seen.dtypes == [] and fast.dtype == torch.float32
+    scale = reference.abs().max().item()
+    torch.testing.assert_close(fast, reference, atol=1e-4 * scale, rtol=1e-4)
+    # It reads the model's own tensors: the stored bf16 weights, the fp32 biases and the conv weight, no copies.
+    tower = bf16_llm.engine.executor._vision
+    (weight, _, fmt, _), bias = tower.fp32_blocks[0][1]  # the first block's qkv
+    qkv = visual.blocks[0].attn.qkv
+    assert fmt == "bfloat16" and weight.data_ptr() == qkv.weight.data_ptr() and bias.data_ptr() == qkv.bias.data_ptr()
+    assert tower.fp32_patch[0][0].data_ptr() == visual.patch_embed.proj.weight.data_ptr()
+
+
+def test_bf16_tower_runs_bf16_dot_products_within_bf16_rounding(bf16_llm, monkeypatch):
+    monkeypatch.setattr(fast_vision, "SMALL_CALL_VALUES", 0)  # every call as a large one
+    llm = bf16_llm
     visual = llm.engine.model.visual
     assert visual.blocks[0].attn.qkv.weight.dtype == torch.bfloat16  # stored as the checkpoint has it
     fast, reference, seen = _encode(llm, _pixels(GRIDS, visual.config.patch_dim))

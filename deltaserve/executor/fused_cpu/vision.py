@@ -1,8 +1,8 @@
 """The fused executor's vision tower: model/vision.py's VisionTower (the reference; its modules and weights are
 read where they are) with each projection whose weight is stored in bfloat16 run as bf16 dot products: its
 input rounded to bf16, multiplied by the stored bf16 weight in torch's oneDNN kernels (AVX512-BF16, or AMX
-where the CPU has it), its output in bf16. The bf16 scheme, for a tower whose projections are all stored in
-bf16 (as the released checkpoints are):
+where the CPU has it), its output in bf16. The bf16 scheme, for a large call of a tower whose projections are
+all stored in bf16 (as the released checkpoints are; a small call runs the fp32 scheme below):
 - the patch embedding is one bf16 matmul too: pixels rounded to bf16, times a bf16 copy of its weight (exact
   where the checkpoint stores it in bf16, as the released ones do; else rounded once, as the projections are);
 - each projection's bias is added in the product in bf16, from a copy cast once (not on every call);
@@ -14,6 +14,18 @@ over bf16 in / out: the residual add fused with the next LayerNorm, q and k rota
 product, the tanh GELU in place. torch's mixed-dtype ops made a converted copy of each operand, and its tanh
 GELU took longer than the fc1 product on an AMX CPU (together about a quarter of the tower, measured
 2026-12-02).
+
+A small call of such a tower (at most SMALL_CALL_VALUES patch values: rows x hidden) runs the fp32 scheme
+instead: the blocks and the merger whole in the C++ step (ops/csrc/vision.h vision_block_f32 and
+vision_merger_f32, one call each), the residual stream, every product's input and output in fp32, each
+projection's stored weight read where it is by the step's own linear kernels (ops/csrc/linear.h) and widened in
+registers, the biases and LayerNorms as stored (fp32), and the patch embedding the same kernel on the stored
+conv weight. Its numbers are the reference's fp32 ones (model/vision.py on fp32 input) up to the order of the
+sums. The reason is time, not accuracy: a product of the demo's tower (64 patches, width 128) cost torch's
+oneDNN bf16 kernel 40-110 us, little related to its size, and with the torch ops between them a call took
+2.3-2.6 ms, where the fp32 scheme takes 1.4-2.0 (2 and 1 threads, an AMD EPYC; docs/benchmarks.md, "Vision vs
+transformers, the demo: small calls in fp32"). From larger calls on (about 144 rows at width 128, 21-36 at width
+768, 1 thread), the bf16 products' twice-as-fast arithmetic wins.
 
 Projections in any other format (float32, fp8, int8 / int4 with their activation quantization) run the
 module's own forward, and the patch embedding, rotary and the rest are the reference's, so an fp32 tower
@@ -37,6 +49,10 @@ from deltaserve.model.vision import Grid, VisionBlock, VisionTower, attend, fram
 from deltaserve.ops.fused_ext import load_extension
 
 KEPT_FRAME_SIZES = 4  # frame sizes (h, w) whose position embeddings and rotary tables are kept
+# A bf16 tower's calls of at most this many patch values (rows x hidden) run the fp32 scheme (the docstring).
+SMALL_CALL_VALUES = 128 * 128
+# The conv weight's dtypes the step's linear kernels read (the patch embedding of the fp32 scheme).
+_FORMAT_OF_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 # The MLP activations that have an in-place form (the product's fresh output is overwritten, not copied).
 _IN_PLACE = {
@@ -83,6 +99,18 @@ def _fp32_norm(norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor, float]:
     return norm.weight.detach().float().contiguous(), norm.bias.detach().float().contiguous(), float(norm.eps)
 
 
+def _fp32_bias(module: Linear | nn.Module) -> torch.Tensor:
+    """A projection's bias as the fp32 scheme adds it: the stored tensor itself when it is fp32 (as the loader
+    keeps it), else an fp32 copy of its few values."""
+    return module.bias.detach().float().contiguous()
+
+
+def _fp32_projection(module: Linear) -> tuple:
+    """(part, bias) as ext.vision_block_f32 takes a projection: its stored weight as the step's linear kernels
+    read it ((data, scale, format name, group)), and its fp32 bias."""
+    return (module.weight.detach(), None, module.fmt.name, 0), _fp32_bias(module)
+
+
 class FastVisionTower:
     """VisionTower.forward(pixels, grids) with the scheme above. Made once per engine: the bf16 copies of the
     biases and the patch embedding's weight, and fp32 copies of the LayerNorms' (for the kernels), are taken
@@ -111,13 +139,37 @@ class FastVisionTower:
             # [hidden, patch_dim] in the patch's own (C, tp, p, p) order, as PatchEmbed multiplies it
             self.patch_weight = conv.weight.detach().reshape(conv.weight.shape[0], -1).to(torch.bfloat16)
             self.patch_bias = None if conv.bias is None else conv.bias.detach().to(torch.bfloat16)
+            self._fp32_scheme(tower)
         self._tables: OrderedDict[tuple[int, int], Tables] = OrderedDict()
+
+    def _fp32_scheme(self, tower: VisionTower) -> None:
+        """What the fp32 scheme passes the C++ step: the model's own tensors (the norms' fp32 weights as the
+        bf16 scheme's kernels take them; an fp32 copy only of a bias or conv weight stored in another dtype)."""
+        act = tower.config.hidden_act
+        self.fp32_blocks = [
+            (norm1, _fp32_projection(block.attn.qkv), _fp32_projection(block.attn.proj), norm2,
+             _fp32_projection(block.mlp.linear_fc1), _fp32_projection(block.mlp.linear_fc2), block.attn.num_heads,
+             act)
+            for block, (norm1, norm2) in zip(tower.blocks, self.norms, strict=True)
+        ]
+        merger = tower.merger
+        self.fp32_merger = (self.merger_norm, merger.merged, _fp32_projection(merger.linear_fc1),
+                            _fp32_projection(merger.linear_fc2))
+        conv = tower.patch_embed.proj
+        weight = conv.weight.detach()
+        if weight.dtype not in _FORMAT_OF_DTYPE:
+            weight = weight.float()
+        # [hidden, patch_dim]: a view of the conv's weight, in the patch's own (C, tp, p, p) order
+        self.fp32_patch = [(weight.reshape(weight.shape[0], -1), None, _FORMAT_OF_DTYPE[weight.dtype], 0)]
+        self.fp32_patch_bias = None if conv.bias is None else _fp32_bias(conv)
 
     def __call__(self, pixels: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
         tower = self.tower
         tower.check_pixels(pixels, grids)
         tables = Tables.cat([self._frame_tables(h, w) for t, h, w in grids for _ in range(t)])
         segments = frame_segments(grids)
+        if self.bf16 and pixels.shape[0] * tower.config.hidden_size <= SMALL_CALL_VALUES:
+            return self._fp32_tower(pixels, tables, segments)
         if self.bf16:
             patches = F.linear(pixels.to(torch.bfloat16), self.patch_weight, self.patch_bias)
             return self._bf16_tower((patches + tables.pos).contiguous(), tables, segments)
@@ -125,6 +177,18 @@ class FastVisionTower:
         for block in self.blocks:
             x = self._block(*block, x, tables, segments)
         return self._merge(x)
+
+    def _fp32_tower(self, pixels: torch.Tensor, tables: Tables, segments: list[int]) -> torch.Tensor:
+        """The fp32 scheme: the patch embedding on the step's linear kernel, then each block and the merger in
+        one C++ call each; fp32 out."""
+        ext = self.ext
+        x = ext.linear(pixels.float().contiguous(), self.fp32_patch)  # [N, hidden]: fresh, the blocks add in place
+        if self.fp32_patch_bias is not None:
+            x.add_(self.fp32_patch_bias)
+        x.add_(tables.pos)
+        for block in self.fp32_blocks:
+            ext.vision_block_f32(x, *block, tables.cos, tables.sin, segments)
+        return ext.vision_merger_f32(x, *self.fp32_merger)
 
     def _frame_tables(self, h: int, w: int) -> Tables:
         """One frame's tables (the reference's position_embeddings and rotary for an (1, h, w) grid)."""

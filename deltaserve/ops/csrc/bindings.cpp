@@ -73,6 +73,49 @@ at::Tensor linear_argmax_alone(const at::Tensor& x, const std::vector<PartSpec>&
   return out;
 }
 
+// The vision tower's fp32 scheme (vision.h) from Python: a LayerNorm as (fp32 weight, fp32 bias, eps), a
+// projection as (its part, fp32 bias [N]).
+using NormSpec = std::tuple<at::Tensor, at::Tensor, double>;
+using ProjectionSpec = std::tuple<PartSpec, at::Tensor>;
+
+VisionNorm vision_norm_of(const NormSpec& spec, const char* what) {
+  const auto& [weight, bias, eps] = spec;
+  check_float(weight, what, 1);
+  check_float(bias, what, 1);
+  TORCH_CHECK(bias.size(0) == weight.size(0), what, ": weight and bias of one size, got ", weight.size(0), " and ",
+              bias.size(0));
+  return VisionNorm{weight, bias, eps};
+}
+
+VisionProjection vision_projection_of(const ProjectionSpec& spec, int64_t K, const std::string& what) {
+  const auto& [part, bias] = spec;
+  VisionProjection p{make_linear({part_of_spec(part, K, what)}, false), bias};
+  TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.dim() == 1 && bias.size(0) == p.linear.N,
+              what, ": a contiguous float32 bias [", p.linear.N, "] expected");
+  return p;
+}
+
+void vision_block_f32_alone(const at::Tensor& x, const NormSpec& norm1, const ProjectionSpec& qkv,
+                            const ProjectionSpec& proj, const NormSpec& norm2, const ProjectionSpec& fc1,
+                            const ProjectionSpec& fc2, int64_t heads, const std::string& act, const at::Tensor& cos,
+                            const at::Tensor& sin, const std::vector<int64_t>& segments) {
+  check_float(x, "x", 2);
+  const int64_t hidden = x.size(1);
+  VisionBlockWeights w;
+  w.norm1 = vision_norm_of(norm1, "norm1"), w.norm2 = vision_norm_of(norm2, "norm2");
+  w.qkv = vision_projection_of(qkv, hidden, "qkv"), w.proj = vision_projection_of(proj, hidden, "proj");
+  w.fc1 = vision_projection_of(fc1, hidden, "fc1"), w.fc2 = vision_projection_of(fc2, w.fc1.linear.N, "fc2");
+  w.heads = heads, w.act = vision_activation_named(act);
+  vision_block_f32(x, w, cos, sin, segments);
+}
+
+at::Tensor vision_merger_f32_alone(const at::Tensor& x, const NormSpec& norm, int64_t merged,
+                                   const ProjectionSpec& fc1, const ProjectionSpec& fc2) {
+  const VisionProjection first = vision_projection_of(fc1, merged, "fc1");
+  return vision_merger_f32(x, vision_norm_of(norm, "norm"), merged, first,
+                           vision_projection_of(fc2, first.linear.N, "fc2"));
+}
+
 at::Tensor rms_norm_alone(const at::Tensor& x, const at::Tensor& scale, double eps) {
   check_float(x, "x", 2);
   check_float(scale, "scale", 1);
@@ -327,6 +370,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_layer_norm_bf16", &add_layer_norm_bf16, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "x (fp32 [T, n]) += y (bf16, or None) in place, then LayerNorm(x) * weight + bias in bf16 (vision.h)",
         pybind11::arg("x"), pybind11::arg("y"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("eps"));
+  m.def("vision_block_f32", &vision_block_f32_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "VisionBlock.forward in fp32 on the residual stream x [N, hidden] in place; norms (weight, bias, eps), "
+        "projections (part, fp32 bias); segments: row counts attending within themselves (vision.h)",
+        pybind11::arg("x"), pybind11::arg("norm1"), pybind11::arg("qkv"), pybind11::arg("proj"),
+        pybind11::arg("norm2"), pybind11::arg("fc1"), pybind11::arg("fc2"), pybind11::arg("heads"),
+        pybind11::arg("act"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("segments"));
+  m.def("vision_merger_f32", &vision_merger_f32_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "PatchMerger.forward in fp32: fc2(GELU(fc1(norm(x) viewed [-1, merged]))), fp32 out (vision.h)",
+        pybind11::arg("x"), pybind11::arg("norm"), pybind11::arg("merged"), pybind11::arg("fc1"), pybind11::arg("fc2"));
   m.def("rotary", &rotary_alone, "x [T, heads, head_dim] with rotate-half RoPE on its first 2 len(inv_freq) dims");
   m.def("gdn_recurrence", &gdn_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Gated DeltaNet's conv, recurrence and gated norm on in_proj outputs: (core, verify conv, verify ssm)");

@@ -2,9 +2,11 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "formats.h"
 #include "parallel.h"
@@ -29,6 +31,207 @@ void check_contiguous(const at::Tensor& t, at::ScalarType type, int64_t dim, con
               dim, " dims, got ", t.scalar_type(), " of ", t.dim(), t.is_contiguous() ? "" : " (not contiguous)");
 }
 
+// An element as fp32 (bf16 widened), and an fp32 result stored as the element type (bf16 rounded once).
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return bf16_to_float(v); }
+inline void store(float v, float* out) { *out = v; }
+inline void store(float v, uint16_t* out) { *out = round_bf16(v); }
+
+// GELU with tanh's approximation as x * sigmoid(2z) = x * (1 + tanh z) / 2, z = sqrt(2/pi) (x + 0.044715 x^3).
+// Below -88 sigmoid(2z) is under e^-88 (vexp clamps there): 0 * v, torch's -0 for a finite v, NaN for -inf.
+inline float gelu_tanh(float v) {
+  const float two_z = 1.5957691216057308f * (v + 0.044715f * v * v * v);  // 2 sqrt(2/pi) (v + 0.044715 v^3)
+  return two_z < -88.0f ? 0.0f * v : v / (1.0f + vexp(-two_z));
+}
+
+// erf(x) as a rational function of x (x^2 in a degree-6 and a degree-4 polynomial; Eigen's and TensorFlow's
+// float erf) over x clamped to [-4, 4], where erf is 1 to fp32's precision: within 7 ulp and 4.2e-7 of erf
+// (measured in fp32 over [-6, 6]), and without calls or branches so that loops using it vectorize (libm's
+// erff, called element by element, was a tenth of a small tower's merger).
+inline float verf(float x) {
+  x = std::min(std::max(x, -4.0f), 4.0f);
+  const float x2 = x * x;
+  float p = -2.72614225801306e-10f;
+  p = p * x2 + 2.77068142495902e-08f;
+  p = p * x2 - 2.10102402082508e-06f;
+  p = p * x2 - 5.69250639462346e-05f;
+  p = p * x2 - 7.34990630326855e-04f;
+  p = p * x2 - 2.95459980854025e-03f;
+  p = p * x2 - 1.60960333262415e-02f;
+  float q = -1.45660718464996e-05f;
+  q = q * x2 - 2.13374055278905e-04f;
+  q = q * x2 - 1.68282697438203e-03f;
+  q = q * x2 - 7.37332916720468e-03f;
+  q = q * x2 - 1.42647390514189e-02f;
+  return x * p / q;
+}
+
+inline float gelu_erf(float v) { return 0.5f * v * (1.0f + verf(v * 0.70710678118654752f)); }
+
+// Rows [t0, t1) of the residual stream x [T, n] (fp32): x += y (when y is given), then
+// out = LayerNorm(x) * w + b (biased variance, as torch).
+template <typename Y, typename Out>
+void add_layer_norm_rows(float* xp, const Y* yp, const float* w, const float* b, float eps, int64_t n, int64_t t0,
+                         int64_t t1, Out* op) {
+  for (int64_t t = t0; t < t1; ++t) {
+    float* row = xp + t * n;
+    if (yp) {
+      const Y* add = yp + t * n;
+      for (int64_t i = 0; i < n; ++i) row[i] += widen(add[i]);
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) sum += row[i];
+    const float mean = sum / static_cast<float>(n);
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < n; ++i) squares += (row[i] - mean) * (row[i] - mean);
+    const float rstd = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
+    Out* o = op + t * n;
+    for (int64_t i = 0; i < n; ++i) store((row[i] - mean) * rstd * w[i] + b[i], o + i);
+  }
+}
+
+// q and k of qkv [N, 3, heads, hd] rotated in place (rotate-half: x * cos + rotate_half(x) * sin).
+template <typename T>
+void rotary_qk(T* base, const float* cp, const float* sp, int64_t N, int64_t heads, int64_t hd) {
+  const int64_t half = hd / 2;
+  // rows: (n, q or k, head), head_dim values each
+  at::parallel_for(0, N * 2 * heads, grain_for(4 * hd), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t n = r / (2 * heads), rest = r % (2 * heads);  // rest: which (q 0 / k 1) * heads + head
+      T* x = base + (n * 3 * heads + rest) * hd;
+      const float* c = cp + n * hd;
+      const float* s = sp + n * hd;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = widen(x[i]), b = widen(x[i + half]);
+        store(a * c[i] - b * s[i], x + i);
+        store(b * c[i + half] + a * s[i + half], x + i + half);
+      }
+    }
+  });
+}
+
+void check_rotary_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t N, int64_t hd) {
+  check_contiguous(cos, at::kFloat, 2, "cos");
+  check_contiguous(sin, at::kFloat, 2, "sin");
+  TORCH_CHECK(cos.size(0) == N && cos.size(1) == hd && sin.sizes() == cos.sizes(), "cos, sin: [N, head_dim] = [",
+              N, ", ", hd, "], got cos ", cos.sizes(), ", sin ", sin.sizes());
+}
+
+// LayerNorm of x [T, n] fp32 (after x += y when y is given, y fp32 [T, n]), fp32 out.
+at::Tensor add_layer_norm_f32(const at::Tensor& x, const float* y, const VisionNorm& norm) {
+  const int64_t T = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({T, n}, x.options());
+  float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* w = norm.weight.data_ptr<float>();
+  const float* b = norm.bias.data_ptr<float>();
+  const float eps = static_cast<float>(norm.eps);
+  at::parallel_for(0, T, grain_for(4 * n), [&](int64_t t0, int64_t t1) {
+    add_layer_norm_rows(xp, y, w, b, eps, n, t0, t1, op);
+  });
+  return out;
+}
+
+// y [T, N] += bias per row, then y = f(y), in place.
+template <typename F>
+void add_bias_rows(const at::Tensor& y, const at::Tensor& bias, F f) {
+  const int64_t T = y.size(0), N = y.size(1);
+  float* yp = y.data_ptr<float>();
+  const float* b = bias.data_ptr<float>();
+  at::parallel_for(0, T, grain_for(4 * N), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* row = yp + t * N;
+#pragma omp simd
+      for (int64_t i = 0; i < N; ++i) row[i] = f(row[i] + b[i]);
+    }
+  });
+}
+
+// in @ w^T + bias, then the activation when given (a switch outside the loops, so that each vectorizes).
+at::Tensor project(const VisionProjection& p, const at::Tensor& in, const VisionActivation* act = nullptr) {
+  at::Tensor y = apply(p.linear, in);
+  if (act == nullptr) {
+    add_bias_rows(y, p.bias, [](float v) { return v; });
+    return y;
+  }
+  switch (*act) {
+    case VisionActivation::kGeluTanh: add_bias_rows(y, p.bias, [](float v) { return gelu_tanh(v); }); break;
+    case VisionActivation::kGelu: add_bias_rows(y, p.bias, [](float v) { return gelu_erf(v); }); break;
+    case VisionActivation::kSilu: add_bias_rows(y, p.bias, [](float v) { return silu(v); }); break;
+    case VisionActivation::kQuickGelu: add_bias_rows(y, p.bias, [](float v) { return v * sigmoid(1.702f * v); });
+  }
+  return y;
+}
+
+// Keys and values at a time in segment_attention's register-blocked loops: fixed-size accumulators (a few
+// 16-lane registers) that the compiler keeps out of memory, where a loop adding into a row of n scores
+// (or hd outputs) in memory waited on its own stores (measured: most of the attention's time).
+constexpr int64_t kKeyBlock = 64;
+constexpr int64_t kDimBlock = 32;
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// out [N, heads * hd] = softmax(q k^T / sqrt(hd)) v for each head within each segment of consecutive rows, with
+// q, k, v read from qkv [N, 3, heads, hd]. A thread takes (segment, head) pairs: their keys transposed into
+// [hd, n] and their values into [n, hd] rows, both zero-padded to the blocks, once per pair.
+void segment_attention(const float* qkv, int64_t heads, int64_t hd, const std::vector<int64_t>& segments,
+                       float* out) {
+  std::vector<int64_t> starts(segments.size());
+  int64_t longest = 0, at_row = 0;
+  for (size_t s = 0; s < segments.size(); ++s) {
+    starts[s] = at_row;
+    at_row += segments[s];
+    longest = std::max(longest, segments[s]);
+  }
+  const int64_t stride = 3 * heads * hd;  // from one row of qkv to the next
+  const int64_t hd_pad = round_up(hd, kDimBlock);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t items = static_cast<int64_t>(segments.size()) * heads;
+  at::parallel_for(0, items, grain_for(2 * longest * longest * hd), [&](int64_t begin, int64_t end) {
+    std::vector<float> keys, values, scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / heads, h = item % heads, start = starts[s], n = segments[s];
+      const int64_t n_pad = round_up(n, kKeyBlock);
+      keys.assign(hd * n_pad, 0.0f);
+      values.assign(n * hd_pad, 0.0f);
+      scores.resize(n_pad);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* k = qkv + (start + j) * stride + (heads + h) * hd;
+        const float* v = qkv + (start + j) * stride + (2 * heads + h) * hd;
+        for (int64_t c = 0; c < hd; ++c) keys[c * n_pad + j] = k[c];
+        std::copy(v, v + hd, values.data() + j * hd_pad);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const float* q = qkv + (start + i) * stride + h * hd;
+        for (int64_t j0 = 0; j0 < n_pad; j0 += kKeyBlock) {
+          float acc[kKeyBlock] = {};
+          for (int64_t c = 0; c < hd; ++c) {
+            const float qc = q[c] * scale;
+            const float* kc = keys.data() + c * n_pad + j0;
+#pragma omp simd
+            for (int64_t j = 0; j < kKeyBlock; ++j) acc[j] += qc * kc[j];
+          }
+          std::copy(acc, acc + kKeyBlock, scores.data() + j0);
+        }
+        softmax_row(scores.data(), n);  // the padding's scores are left out
+        float* o = out + (start + i) * heads * hd + h * hd;
+        for (int64_t c0 = 0; c0 < hd_pad; c0 += kDimBlock) {
+          float acc[kDimBlock] = {};
+          for (int64_t j = 0; j < n; ++j) {
+            const float p = scores[j];
+            const float* v = values.data() + j * hd_pad + c0;
+#pragma omp simd
+            for (int64_t c = 0; c < kDimBlock; ++c) acc[c] += p * v[c];
+          }
+          std::copy(acc, acc + std::min(kDimBlock, hd - c0), o + c0);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void gelu_tanh_bf16_(const at::Tensor& x) {
@@ -36,41 +239,17 @@ void gelu_tanh_bf16_(const at::Tensor& x) {
               x.scalar_type(), x.is_contiguous() ? "" : " (not contiguous)");
   uint16_t* p = bf16_data(x);
   at::parallel_for(0, x.numel(), grain_for(16), [p](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float v = bf16_to_float(p[i]);
-      const float two_z = 1.5957691216057308f * (v + 0.044715f * v * v * v);  // 2 sqrt(2/pi) (v + 0.044715 v^3)
-      // Below -88 sigmoid(2z) is under e^-88 (vexp clamps there): 0 * v, torch's -0 for a finite v, NaN for -inf.
-      p[i] = round_bf16(two_z < -88.0f ? 0.0f * v : v / (1.0f + vexp(-two_z)));
-    }
+    for (int64_t i = begin; i < end; ++i) p[i] = round_bf16(gelu_tanh(bf16_to_float(p[i])));
   });
 }
 
 void rotary_qk_bf16_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin) {
   check_contiguous(qkv, at::kBFloat16, 4, "qkv");
-  check_contiguous(cos, at::kFloat, 2, "cos");
-  check_contiguous(sin, at::kFloat, 2, "sin");
-  const int64_t N = qkv.size(0), heads = qkv.size(2), hd = qkv.size(3), half = hd / 2;
+  const int64_t N = qkv.size(0), heads = qkv.size(2), hd = qkv.size(3);
   TORCH_CHECK(qkv.size(1) == 3 && hd % 2 == 0, "qkv: [N, 3, heads, head_dim] with head_dim even, got ",
               qkv.sizes());
-  TORCH_CHECK(cos.size(0) == N && cos.size(1) == hd && sin.sizes() == cos.sizes(), "cos, sin: [N, head_dim] = [",
-              N, ", ", hd, "], got cos ", cos.sizes(), ", sin ", sin.sizes());
-  uint16_t* base = bf16_data(qkv);
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  // rows: (n, q or k, head), head_dim values each
-  at::parallel_for(0, N * 2 * heads, grain_for(4 * hd), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t n = r / (2 * heads), rest = r % (2 * heads);  // rest: which (q 0 / k 1) * heads + head
-      uint16_t* x = base + (n * 3 * heads + rest) * hd;
-      const float* c = cp + n * hd;
-      const float* s = sp + n * hd;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = bf16_to_float(x[i]), b = bf16_to_float(x[i + half]);
-        x[i] = round_bf16(a * c[i] - b * s[i]);
-        x[i + half] = round_bf16(b * c[i + half] + a * s[i + half]);
-      }
-    }
-  });
+  check_rotary_tables(cos, sin, N, hd);
+  rotary_qk(bf16_data(qkv), cos.data_ptr<float>(), sin.data_ptr<float>(), N, heads, hd);
 }
 
 at::Tensor add_layer_norm_bf16(const at::Tensor& x, const std::optional<at::Tensor>& y, const at::Tensor& weight,
@@ -92,26 +271,59 @@ at::Tensor add_layer_norm_bf16(const at::Tensor& x, const std::optional<at::Tens
   const float* b = bias.data_ptr<float>();
   uint16_t* op = bf16_data(out);
   const float epsf = static_cast<float>(eps);
-  at::parallel_for(0, T, grain_for(4 * n), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* row = xp + t * n;
-      if (yp) {
-        const uint16_t* add = yp + t * n;
-        for (int64_t i = 0; i < n; ++i) row[i] += bf16_to_float(add[i]);
-      }
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < n; ++i) sum += row[i];
-      const float mean = sum / static_cast<float>(n);
-      float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < n; ++i) squares += (row[i] - mean) * (row[i] - mean);
-      const float rstd = 1.0f / std::sqrt(squares / static_cast<float>(n) + epsf);  // biased variance, as torch
-      uint16_t* o = op + t * n;
-      for (int64_t i = 0; i < n; ++i) o[i] = round_bf16((row[i] - mean) * rstd * w[i] + b[i]);
-    }
+  at::parallel_for(0, T, grain_for(4 * n), [&](int64_t t0, int64_t t1) {
+    add_layer_norm_rows(xp, yp, w, b, epsf, n, t0, t1, op);
   });
   return out;
+}
+
+VisionActivation vision_activation_named(const std::string& name) {
+  if (name == "gelu_pytorch_tanh") return VisionActivation::kGeluTanh;
+  if (name == "gelu") return VisionActivation::kGelu;
+  if (name == "silu") return VisionActivation::kSilu;
+  if (name == "quick_gelu") return VisionActivation::kQuickGelu;
+  TORCH_CHECK(false, "vision activation '", name, "' is not known (gelu_pytorch_tanh, gelu, silu, quick_gelu)");
+}
+
+void vision_block_f32(const at::Tensor& x, const VisionBlockWeights& w, const at::Tensor& cos,
+                      const at::Tensor& sin, const std::vector<int64_t>& segments) {
+  check_contiguous(x, at::kFloat, 2, "x");
+  const int64_t N = x.size(0), hidden = x.size(1), heads = w.heads;
+  TORCH_CHECK(heads > 0 && hidden % heads == 0 && (hidden / heads) % 2 == 0, "heads: a divisor of hidden ", hidden,
+              " leaving an even head_dim, got ", heads);
+  const int64_t hd = hidden / heads;
+  TORCH_CHECK(w.qkv.linear.N == 3 * hidden && w.proj.linear.N == hidden && w.fc2.linear.N == hidden,
+              "qkv, proj, fc2: ", 3 * hidden, ", ", hidden, ", ", hidden, " outputs for hidden ", hidden, ", got ",
+              w.qkv.linear.N, ", ", w.proj.linear.N, ", ", w.fc2.linear.N);
+  TORCH_CHECK(w.norm1.weight.size(0) == hidden && w.norm2.weight.size(0) == hidden, "norm1, norm2: [", hidden,
+              "] for hidden ", hidden);
+  check_rotary_tables(cos, sin, N, hd);
+  int64_t rows = 0;
+  for (int64_t n : segments) {
+    TORCH_CHECK(n > 0, "segments: positive row counts, got ", n);
+    rows += n;
+  }
+  TORCH_CHECK(rows == N, "segments: row counts summing to N = ", N, ", got ", rows);
+
+  at::Tensor qkv = project(w.qkv, add_layer_norm_f32(x, nullptr, w.norm1));  // [N, 3 * hidden]
+  float* qkv_p = qkv.data_ptr<float>();
+  rotary_qk(qkv_p, cos.data_ptr<float>(), sin.data_ptr<float>(), N, heads, hd);
+  at::Tensor attended = at::empty({N, hidden}, x.options());
+  segment_attention(qkv_p, heads, hd, segments, attended.data_ptr<float>());
+  const at::Tensor out = project(w.proj, attended);
+  at::Tensor hidden_act = project(w.fc1, add_layer_norm_f32(x, out.data_ptr<float>(), w.norm2), &w.act);
+  x.add_(project(w.fc2, hidden_act));
+}
+
+at::Tensor vision_merger_f32(const at::Tensor& x, const VisionNorm& norm, int64_t merged, const VisionProjection& fc1,
+                             const VisionProjection& fc2) {
+  check_contiguous(x, at::kFloat, 2, "x");
+  TORCH_CHECK(norm.weight.size(0) == x.size(1) && merged > 0 && merged % x.size(1) == 0 &&
+                  x.numel() % merged == 0,
+              "x [N, n] with n the norm's width (", norm.weight.size(0), ") and N * n a multiple of merged (", merged,
+              "), got ", x.sizes());
+  const VisionActivation gelu = VisionActivation::kGelu;
+  return project(fc2, project(fc1, add_layer_norm_f32(x, nullptr, norm).view({-1, merged}), &gelu));
 }
 
 }  // namespace deltaserve
