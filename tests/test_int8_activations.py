@@ -233,7 +233,8 @@ def test_the_setting_defaults_to_int8_for_int_weights_and_refuses_others() -> No
         EngineConfig(quantization="fp8", activation_quantization="int8")
     with pytest.raises(EngineConfigError, match="applies to int8 or int4 weights"):
         EngineConfig(activation_quantization="int8")
-    with pytest.raises(EngineConfigError, match="activation_quantization 'fp8' is not known; accepted: int8, bf16, none"):
+    with pytest.raises(EngineConfigError,
+                       match="activation_quantization 'fp8' is not known; accepted: int8, bf16, none"):
         EngineConfig(quantization="int8", activation_quantization="fp8")
 
 
