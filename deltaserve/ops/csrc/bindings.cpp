@@ -38,18 +38,17 @@ WeightPart part_of_spec(const PartSpec& spec, int64_t K, const std::string& what
   return make_part(data, scale.value_or(at::Tensor()), format_named(format), group, K, what);
 }
 
-// activation_quantization as the engine names it: "int8" (the int8 / int4 parts read int8 activations,
-// linear_int.h), "bf16" (every part reads x rounded to bf16, linear.h) or "none".
-bool int8_activations(const std::string& activation_quantization) {
+// activation_quantization as the engine names it, checked: "int8" (the int8 / int4 parts read int8
+// activations, linear_int.h), "bf16" (every part reads x rounded to bf16, linear.h) or "none".
+const std::string& checked_activations(const std::string& activation_quantization) {
   TORCH_CHECK(activation_quantization == "int8" || activation_quantization == "bf16" ||
                   activation_quantization == "none",
               "activation_quantization '", activation_quantization, "' is not known (int8, bf16, none)");
-  return activation_quantization == "int8";
+  return activation_quantization;
 }
 
-bool bf16_activations(const std::string& activation_quantization) {
-  return !int8_activations(activation_quantization) && activation_quantization == "bf16";
-}
+bool int8_activations(const std::string& aq) { return checked_activations(aq) == "int8"; }
+bool bf16_activations(const std::string& aq) { return checked_activations(aq) == "bf16"; }
 
 Linear linear_of(const std::vector<PartSpec>& parts, int64_t K, const std::string& activation_quantization = "none") {
   TORCH_CHECK(!parts.empty(), "parts: at least one");
@@ -323,14 +322,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "format name, group); activation_quantization 'int8': the int8 / int4 parts as activation_quant.py's "
         "reference",
         pybind11::arg("x"), pybind11::arg("parts"), pybind11::arg("activation_quantization") = "none");
-  m.attr("DOT_ROWS") = kDotRows;
+  m.attr("DOT_ROWS") = kDotRows;  // up to this many rows, linear runs the dot-product kernel (else the packed one)
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   m.attr("BF16_PAIR_KERNEL") = true;  // this build multiplies bf16 panels by bf16 activations in pairs
 #else
   m.attr("BF16_PAIR_KERNEL") = false;
 #endif
   m.def("bf16_pair_panels", &bf16_pair_panels,
-        "how many panels the bf16-pair kernel (bf16 weights x bf16 activations, AVX512-BF16) has computed");  // up to this many rows, linear runs the dot-product kernel (else the packed one)
+        "how many panels the bf16-pair kernel (bf16 weights x bf16 activations, AVX512-BF16) has computed");
   // up to this many rows, int8-activation parts run the integer kernel (else the packed one over q_x * s_x)
   m.attr("INT_KERNEL_ROWS") = kIntKernelRows;
   // from this many rows on, they run the AMX kernel where it is available (linear_amx.h)

@@ -597,6 +597,15 @@ void project_panel(const Linear& l, const float* x, int64_t rows, int64_t n0, in
 
 namespace {
 
+// x's n values rounded to bf16 (bf16 activations) in this thread's scratch, which grows once and is reused: no
+// allocation per projection. Valid until the thread's next call (a projection does not nest another).
+const float* rounded_rows(const float* x, int64_t n) {
+  thread_local std::vector<float> scratch;
+  scratch.resize(n);
+  round_to_bf16(x, n, scratch.data());
+  return scratch.data();
+}
+
 // Rows [R0, R1) of x (rows of K floats) through l: row r into yp's row r - R0 (N floats each) or, with argmax
 // (yp null), its best column into argmax[r - R0]. int8_rows: x's rows quantized for l's int8-activation parts
 // (row r of them is row r of x), or empty when l has none. Threads split the panels.
@@ -648,12 +657,7 @@ at::Tensor apply(const Linear& l, const at::Tensor& x, int64_t* argmax) {
   at::Tensor y = argmax == nullptr ? at::empty({T, l.N}, x.options()) : at::Tensor();
   if (T == 0) return y;
   const float* xp = x.data_ptr<float>();
-  std::vector<float> rounded;  // bf16 activations: the rows every kernel then reads
-  if (l.bf16_activations) {
-    rounded.resize(T * l.K);
-    round_to_bf16(xp, T * l.K, rounded.data());
-    xp = rounded.data();
-  }
+  if (l.bf16_activations) xp = rounded_rows(xp, T * l.K);  // the rows every kernel then reads
   // x quantized once for the int8-activation parts (linear_int.h), if l has any: they run its integer kernel
   const ActivationRows int8_rows = quantize_activations(l, xp, T);
   project_rows(l, xp, 0, T, int8_rows, argmax == nullptr ? y.data_ptr<float>() : nullptr, argmax);
@@ -664,13 +668,9 @@ void apply_rows(const Linear& l, const float* x, int64_t r0, int64_t r1, const A
   TORCH_CHECK(int8_rows.defined() || std::none_of(l.parts.begin(), l.parts.end(), [&](const WeightPart& p) {
     return reads_int8_activations(l, p);
   }), "apply_rows: a projection with int8 activations needs its rows quantized");
-  if (l.bf16_activations) {  // its rows rounded (no int8 rows: the two schemes exclude each other)
-    thread_local std::vector<float> rounded;
-    rounded.resize((r1 - r0) * l.K);
-    round_to_bf16(x + r0 * l.K, (r1 - r0) * l.K, rounded.data());
-    return project_rows(l, rounded.data(), 0, r1 - r0, int8_rows, y, nullptr);
-  }
-  project_rows(l, x, r0, r1, int8_rows, y, nullptr);
+  if (!l.bf16_activations) return project_rows(l, x, r0, r1, int8_rows, y, nullptr);
+  // its rows rounded (no int8 rows: the two schemes exclude each other)
+  project_rows(l, rounded_rows(x + r0 * l.K, (r1 - r0) * l.K), 0, r1 - r0, int8_rows, y, nullptr);
 }
 
 }  // namespace deltaserve
