@@ -17,6 +17,8 @@ The construction, for a source of hidden size H, MLP width I and L layers:
   of eps * (H' / H - 1) / mean(x^2) in each norm), and only the greedy agreement says how close it is.
   The norm scales are stored in float32, the projections in the source's dtype;
 - the MLP is widened to I' with units whose down_proj columns are zero (their gate/up rows random);
+- a vision tower keeps its width; its mergers' output projections (which write text embeddings) get zero
+  rows for the new dimensions, scaled as the embedding is;
 - [GDN, GDN, GDN, attention] blocks are appended, up to `--layers`, whose writers (out_proj, o_proj,
   down_proj) are zero: identity layers that still read their weights and keep their caches.
 The MTP head is widened the same way, so its drafts (and the acceptance) stay the source's own.
@@ -79,6 +81,11 @@ class Widener:
     def tensor(self, name: str, w: torch.Tensor) -> torch.Tensor:
         """The widened form of one source tensor (official names, `model.language_model.` or `mtp.`)."""
         H2, I2 = self.H2, self.I2
+        if name.startswith("model.visual."):
+            # The vision tower keeps its own width; its mergers' last projection writes text embeddings.
+            if ".linear_fc2." in name and ("merger." in name or "merger_list." in name):
+                return self.pad_rows_zero(w * self.stream, H2)
+            return w
         leaf = name.removesuffix(".weight")
         if leaf.endswith("embed_tokens"):
             return torch.cat([w * self.stream, w.new_zeros(w.shape[0], H2 - self.H)], dim=1)
@@ -150,6 +157,8 @@ def widen(src: Path, out: Path, hidden: int | None, intermediate: int, layers: i
         types.append(kind)
 
     text.update(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, layer_types=types)
+    if "vision_config" in config:
+        config["vision_config"]["out_hidden_size"] = hidden
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in wide.items()}, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=1))

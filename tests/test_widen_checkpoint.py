@@ -34,3 +34,19 @@ def test_a_widened_checkpoint_gives_the_source_logits(tmp_path: Path) -> None:
     # The padded dimensions stay zero in the residual stream, and the appended layers are real work.
     assert hb[:, 48:].abs().max() == 0
     assert b.model.layers[6].mlp.gate_proj.weight.abs().sum() > 0
+
+
+def test_the_demo_widens_with_its_vision_tower(tmp_path: Path) -> None:
+    """The embedded demo carries a vision tower: it keeps its width, and its image tokens land in the widened
+    residual as the source's, zero in the new dimensions and scaled as the embedding is (stream 2 at 4x)."""
+    from deltaserve.assets import DEMO_DIR
+
+    wide = widen(DEMO_DIR, tmp_path / "wide", hidden=768, intermediate=512, layers=8)
+    a, b = load_model(DEMO_DIR, dtype="float32"), load_model(wide, dtype="float32")
+    assert b.config.hidden_size == 768 and b.visual is not None
+    grid = (1, 4, 6)
+    pixels = torch.randn(24, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ea, eb = a.encode_images(pixels, [grid]), b.encode_images(pixels, [grid])
+    torch.testing.assert_close(eb[:, :192], 2 * ea, atol=1e-5, rtol=1e-5)
+    assert eb[:, 192:].abs().max() == 0
