@@ -1,6 +1,7 @@
 """MTP speculative decoding: decode tok/s with and without speculation (not a test; timing decides nothing).
 
-    .venv/bin/python benchmarks/bench_spec.py [--model DIR] [--threads 1] [--tokens 128] [--adaptive] [--no-write]
+    .venv/bin/python benchmarks/bench_spec.py [--model DIR] [--threads 1] [--tokens 128] [--adaptive]
+        [--quantization int8|int4|fp8] [--no-write]
 
 For k = 0 (plain), 1..4 (with --adaptive also adaptive k, at most --max-k) and batch 1 (8 prompts one at a
 time) and 8: greedy, ignore_eos, `--tokens` new
@@ -56,11 +57,13 @@ class Row:
     adaptive: bool = False  # k is then the most drafts a step (speculative_config "adaptive": true)
 
 
-def run(model: str | None, k: int, batch: int, tokens: int, adaptive: bool = False) -> tuple[Row, LLM]:
+def run(model: str | None, k: int, batch: int, tokens: int, adaptive: bool = False,
+        quantization: str | None = None) -> tuple[Row, LLM]:
     """Batch 1 runs each of the prompts alone (one prompt would let its text's period alias with the step
     length and skew acceptance); batch 8 runs them together. Times and tokens are summed."""
     spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": adaptive} if k else None
-    llm = LLM(model=model, max_model_len=512, max_num_seqs=max(batch, 8), speculative_config=spec)
+    llm = LLM(model=model, max_model_len=512, max_num_seqs=max(batch, 8), speculative_config=spec,
+              quantization=quantization)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.generate(PROMPTS[:batch], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm up
     engine = llm.engine
@@ -185,13 +188,15 @@ def regime(costs: dict[int, dict[str, float]]) -> str:
 def render(
     section: str, rows: list[Row], prof: dict[str, float], best_k: int, threads: int, label: str, tokens: int,
     ratio: tuple[float, int, int, int], repeat: int, costs: dict[int, dict[str, float]],
+    quantization: str | None = None,
 ) -> str:
     date = datetime.date.today().isoformat()
     lines = [
         section,
         "",
         f"Run {date} on {machine()}; `torch.set_num_threads({threads})`; "
-        f"checkpoint: {label}; fp32; greedy, ignore_eos, {tokens} new tokens per request, decode tok/s after "
+        f"checkpoint: {label}; weights {quantization or 'as stored'}, fp32 compute; greedy, ignore_eos, "
+        f"{tokens} new tokens per request, decode tok/s after "
         f"every request's first token, best of {repeat} rounds. Produced by `benchmarks/bench_spec.py`.",
         "",
         "| batch | k | decode tok/s | speed-up | acceptance rate | mean acceptance length |",
@@ -258,6 +263,7 @@ def main() -> None:
     ap.add_argument("--max-k", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3, help="best of this many rounds")
     ap.add_argument("--adaptive", action="store_true", help="also adaptive k, at most --max-k drafts a step")
+    ap.add_argument("--quantization", default=None, help="a weight format for every run (int8, int4, fp8)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -270,22 +276,23 @@ def main() -> None:
     for _ in range(args.repeat):
         for batch in [int(b) for b in args.batches.split(",")]:
             for k, adaptive in configs:
-                row, _ = run(args.model, k, batch, args.tokens, adaptive)
+                row, _ = run(args.model, k, batch, args.tokens, adaptive, args.quantization)
                 print(row, flush=True)
                 if (batch, k, adaptive) not in best or row.tok_s > best[batch, k, adaptive].tok_s:
                     best[batch, k, adaptive] = row
     rows = list(best.values())
     b1 = [r for r in rows if r.batch == 1 and r.k and not r.adaptive] or [r for r in rows if r.k]
     best_k = max(b1, key=lambda r: r.tok_s).k
-    _, llm = run(args.model, best_k, 1, 8)
+    _, llm = run(args.model, best_k, 1, 8, quantization=args.quantization)
     fused = llm.engine.executor.name == "fused-cpu"
     costs = {k: kernel_costs(llm, k) for k in range(1, args.max_k + 1)} if fused else {}
     prof = profile(llm, args.tokens)
     label = "embedded demo" if args.model is None else Path(args.model).name
+    label += f" ({args.quantization})" if args.quantization else ""
     section = SECTION if args.model is None else f"{SECTION}: {label}"
     text = render(
         section, rows, prof, best_k, args.threads, label, args.tokens, draft_cost_ratio(llm), args.repeat,
-        costs,
+        costs, args.quantization,
     )
     print(text)
     if not args.no_write:

@@ -8,7 +8,9 @@ server would). Each round runs every engine on the same workload in a fresh rand
 prompts one at a time) and batch 8 (all together), greedy, ignore_eos, `--tokens` new tokens each. The
 figure is decode CPU seconds per generated token (the process's CPU time, one compute thread, from the
 step in which every request has its first token to the end): other jobs on a shared machine stretch wall
-time far more than the work done. Each round gives each configuration its ratio to plain decoding of that
+time far more than the work done. `--clock wall` takes wall time instead, for an idle machine and for more
+than one thread (CPU time counts the threads' waiting too); `--quantization` runs every engine in that
+weight format. Each round gives each configuration its ratio to plain decoding of that
 same round; the table shows the median ratio over rounds (above 1: faster than plain) and the median
 tokens per CPU second. Greedy outputs are checked identical to plain decoding. The table goes into
 docs/benchmarks.md under "MTP speculative decoding: adaptive k and the default"."""
@@ -39,6 +41,7 @@ CONFIGS: dict[str, dict | None] = {
     "k=1": {"method": "mtp", "num_speculative_tokens": 1, "adaptive": False},
     "k=2": {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False},
     "k=3": {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False},
+    "k=4": {"method": "mtp", "num_speculative_tokens": 4, "adaptive": False},
     "adaptive (max 3)": {"method": "mtp", "num_speculative_tokens": 3},
 }
 
@@ -64,8 +67,10 @@ def decode(llm: LLM, batch: int, tokens: int) -> tuple[float, float, list[list[i
     return cpu, wall, outputs
 
 
-def measure(model: str | None, rounds: int, tokens: int, batches: list[int]) -> dict:
-    llms = {name: LLM(model=model, max_model_len=512, max_num_seqs=8, speculative_config=spec)
+def measure(model: str | None, rounds: int, tokens: int, batches: list[int], clock: str = "cpu",
+            quantization: str | None = None) -> dict:
+    llms = {name: LLM(model=model, max_model_len=512, max_num_seqs=8, speculative_config=spec,
+                      quantization=quantization)
             for name, spec in CONFIGS.items()}
     for llm in llms.values():  # warm up (and let the adaptive engine measure its first steps)
         decode(llm, 1, 8)
@@ -88,7 +93,7 @@ def measure(model: str | None, rounds: int, tokens: int, batches: list[int]) -> 
                     counts[1] += s.num_draft_tokens - before.num_draft_tokens
                     counts[2] += s.num_accepted_tokens - before.num_accepted_tokens
                 n = len(outs[name]) * tokens
-                per_token[name] = cpu / n
+                per_token[name] = (cpu if clock == "cpu" else wall) / n
                 print(f"round {r} batch {batch} {name}: {n / cpu:.1f} tok/CPU-s, {n / wall:.1f} tok/s wall",
                       flush=True)
             for name in order:
@@ -99,16 +104,19 @@ def measure(model: str | None, rounds: int, tokens: int, batches: list[int]) -> 
     return {"ratios": ratios, "rates": rates, "drafted": drafted}
 
 
-def render(results: dict[str, dict], rounds: int, threads: int, tokens: int) -> str:
+def render(results: dict[str, dict], rounds: int, threads: int, tokens: int, clock: str = "cpu",
+           quantization: str | None = None) -> str:
+    per = "CPU" if clock == "cpu" else "wall"
     lines = [
         SECTION, "",
-        f"Run {datetime.date.today().isoformat()} on {machine()}; `num_threads={threads}`; fp32; greedy, "
+        f"Run {datetime.date.today().isoformat()} on {machine()}; `num_threads={threads}`; weights "
+        f"{quantization or 'as stored'}, fp32 compute; greedy, "
         f"ignore_eos, {tokens} new tokens per request ({len(PROMPTS)} prompts: batch 1 runs them one at a "
         f"time, batch 8 together); {rounds} rounds, each running every configuration once in a random order. "
-        "Speed-up: plain decoding's decode CPU seconds per token over the configuration's, in the same "
+        f"Speed-up: plain decoding's decode {per} seconds per token over the configuration's, in the same "
         "round, median over rounds (above 1 is faster). Greedy outputs identical to plain decoding in every "
         "run. Produced by `benchmarks/bench_spec_adaptive.py`.", "",
-        "| checkpoint | batch | configuration | speed-up (median, min-max) | tok per CPU-s | "
+        f"| checkpoint | batch | configuration | speed-up (median, min-max) | tok per {per}-s | "
         "acceptance rate | drafts per verify |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -134,6 +142,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                    help="time per token: the process's CPU time (a shared machine) or wall time (an idle one; "
+                         "the measure at more than one thread, where CPU time also counts waiting threads)")
+    ap.add_argument("--quantization", default=None, help="a weight format for every engine (int8, int4, fp8)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)  # the engine keeps what the process set (engine/threads.py)
@@ -141,8 +153,9 @@ def main() -> None:
     results = {}
     for model in args.model or ["demo"]:
         label = "embedded demo" if model == "demo" else Path(model).name
-        results[label] = measure(None if model == "demo" else model, args.rounds, args.tokens, batches)
-    text = render(results, args.rounds, args.threads, args.tokens)
+        results[label] = measure(None if model == "demo" else model, args.rounds, args.tokens, batches,
+                                 args.clock, args.quantization)
+    text = render(results, args.rounds, args.threads, args.tokens, args.clock, args.quantization)
     print(text)
     if not args.no_write:
         write_section(SECTION, text)
