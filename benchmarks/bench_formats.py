@@ -74,6 +74,7 @@ UNQUANTIZED = ("norm", "conv1d", "A_log", "dt_bias", "in_proj_a", "in_proj_b", "
 
 DECODE_PROMPT = 32
 BATCH_PROMPT = BATCH_NEW = 64
+KV_BLOCK = 16  # deltaserve's default block_size
 
 
 @dataclass(slots=True)
@@ -112,6 +113,13 @@ def context_tokens(job: Job) -> int:
     return max(job.prompt + 1, DECODE_PROMPT + job.decode + 1, BATCH_PROMPT + BATCH_NEW)
 
 
+def kv_cells(job: Job) -> int:
+    """Tokens of KV cache both engines get: llama.cpp's context (one unified pool of n_ctx cells for all its
+    sequences) and deltaserve's KV blocks (that many tokens, plus a block per sequence for partly filled
+    ones), so that neither holds more cache than the other needs."""
+    return max(context_tokens(job), max(job.requests, 1) * (BATCH_PROMPT + BATCH_NEW))
+
+
 def rss_bytes() -> tuple[int, int]:
     """(VmHWM, VmRSS) of this process."""
     fields = {}
@@ -130,13 +138,14 @@ def run_deltaserve(job: Job) -> dict:
     from deltaserve.sampling import SamplingParams
 
     torch.set_num_threads(job.threads)
-    # The cache pool's bound is set: its default (256 MiB today) cannot hold 16 sequences' GDN state at this
-    # shape (18 GDN layers x 1 MiB fp32 per sequence); the planner allocates no more KV blocks than
-    # max_num_seqs sequences of max_model_len can use. Prefix caching is off: no prompt shares a prefix.
-    kwargs = dict(model=job.path, num_threads=job.threads, max_num_seqs=max(job.requests, 1),
-                  max_model_len=context_tokens(job),
+    # The KV blocks hold kv_cells tokens, as llama.cpp's context does (by default the planner would give each
+    # of the max_num_seqs sequences room for max_model_len: 5x the KV memory llama.cpp has here); the GDN
+    # states take max_num_seqs slots, as llama.cpp's recurrent state does. Prefix caching is off: no prompt
+    # shares a prefix.
+    n_seq = max(job.requests, 1)
+    kwargs = dict(model=job.path, num_threads=job.threads, max_num_seqs=n_seq, max_model_len=context_tokens(job),
                   max_num_batched_tokens=max(job.prompt, job.requests * BATCH_PROMPT),
-                  kv_cache_memory=1 << 30, enable_prefix_caching=False)
+                  num_kv_blocks=-(-kv_cells(job) // KV_BLOCK) + n_seq, enable_prefix_caching=False)
     if job.weights not in ("bf16", "bf16-act"):  # the checkpoint's own format needs no parameter
         kwargs["quantization"] = job.weights
     if job.weights in ACTIVATION_QUANTIZATION:
@@ -214,7 +223,7 @@ def run_llama_cpp(job: Job) -> dict:
     n_vocab = C.llama_vocab_n_tokens(C.llama_model_get_vocab(model))
     cparams = C.llama_context_default_params()
     n_seq = max(job.requests, 1)
-    cparams.n_ctx = max(context_tokens(job), n_seq * (BATCH_PROMPT + BATCH_NEW))
+    cparams.n_ctx = kv_cells(job)
     cparams.n_batch = cparams.n_ubatch = max(job.prompt, n_seq * BATCH_PROMPT)
     cparams.n_seq_max = n_seq
     cparams.kv_unified = True  # one pool of n_ctx cells for all sequences, not n_ctx / n_seq each

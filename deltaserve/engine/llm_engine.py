@@ -31,7 +31,7 @@ from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_params_for_vocab
 from deltaserve.engine.scheduler import Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder
-from deltaserve.engine.spec_policy import DraftPolicy
+from deltaserve.engine.spec_policy import DraftPolicy, spec_clock
 from deltaserve.engine.structured import GrammarCompiler
 from deltaserve.engine.threads import set_compute_threads
 from deltaserve.executor import make_executor, start_tensor_parallel
@@ -344,7 +344,7 @@ class LLMEngine:
         needs them), or with finished_only only for requests that finished (as vLLM's FINAL_ONLY output
         kind, which LLM.generate uses): building the others' outputs copies every token list every step."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
-        started = time.process_time() if self._policy is not None else 0.0
+        started = spec_clock() if self._policy is not None else 0.0
         sched = self.scheduler.schedule()
         self.last_schedule = sched
         if sched.is_empty:
@@ -367,9 +367,9 @@ class LLMEngine:
         for listener in self.step_listeners:
             listener(sched)
         if self._policy is not None:
-            # Adaptive k weighs a step's rows against its CPU time, everything but the drafting it prices
+            # Adaptive k weighs a step's rows against its time (spec_clock), everything but the drafting it prices
             # apart (scheduling and output handling too: they grow with the tokens a step emits).
-            spent = time.process_time() - started - self.runner.spec.draft_seconds
+            spent = spec_clock() - started - self.runner.spec.draft_seconds
             self._policy.record_step(sched.num_tokens, spent)
         return outputs
 

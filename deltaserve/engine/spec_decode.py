@@ -33,7 +33,6 @@ at position t, i.e. after reading x_0..x_t):
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,7 +42,7 @@ from deltaserve.cache.manager import CacheManager
 from deltaserve.engine.logits_head import LogitsHead
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampler import Sampler, SequenceSamplingState, _sample, has_penalties
-from deltaserve.engine.spec_policy import DraftPolicy
+from deltaserve.engine.spec_policy import DraftPolicy, spec_clock
 from deltaserve.executor import Executor
 from deltaserve.model.context import ForwardContext
 
@@ -115,7 +114,7 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.head = head
         self.policy = policy if policy is not None else DraftPolicy(num_speculative_tokens, adaptive=False)
-        # CPU seconds of the last propose()'s drafting (adaptive k only): the engine prices the rest of a
+        # Seconds (spec_clock) of the last propose()'s drafting (adaptive k only): the engine prices the rest of a
         # step apart, against its row count.
         self.draft_seconds = 0.0
 
@@ -279,21 +278,21 @@ class SpecDecoder:
         if not tokens:
             return {}
         # Adaptive k prices drafting: pass 1 (which a request that does not draft may postpone) and the
-        # draft passes, in CPU seconds (other jobs on the machine do not stretch them as they do wall time).
+        # draft passes, in seconds of spec_clock.
         timing = policy.adaptive and bool(drafters)
-        pass1_started = time.process_time() if timing else 0.0
+        pass1_started = spec_clock() if timing else 0.0
         mctx = make_context(qlens, clens, rids)
         h_in = self._pass1_input(hidden, segments, len(tokens), any_held)
         h = self.mtp_hidden(torch.tensor(tokens, dtype=torch.long), h_in, mctx)  # [N, H]
         if not drafters:
             return {}
-        pass1 = time.process_time() - pass1_started if timing else 0.0
+        pass1 = spec_clock() - pass1_started if timing else 0.0
         if len(last_rows) < h.shape[0]:
             h = h[last_rows]
         drafts: dict[str, tuple[list[int], list]] = {e.request.request_id: ([], []) for e in drafters}
         active = drafters  # the entries still drafting; h has one row per entry
         for j in range(self.k):
-            started = time.process_time() if timing else 0.0
+            started = spec_clock() if timing else 0.0
             if j > 0:
                 keep = [p for p, b in enumerate(budgets) if b > j]
                 if not keep:
@@ -310,7 +309,7 @@ class SpecDecoder:
                 h = self.mtp_hidden(prev, h, dctx, step=j)
             self._sample_drafts(active, h, drafts)
             if timing:
-                seconds = time.process_time() - started + (pass1 if j == 0 else 0.0)
+                seconds = spec_clock() - started + (pass1 if j == 0 else 0.0)
                 self.draft_seconds += seconds
                 policy.record_draft(j + 1, len(active), seconds)
         return drafts

@@ -23,8 +23,16 @@ its exact tokens depend on the measured timings; turn adaptivity off for reprodu
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
+
+# The clock the costs are measured with: wall time, the time a user waits. (CPU time, used before, counts
+# every compute thread's time, spin-waiting included: at 2 threads a step's parallel kernels weighed twice
+# its serial Python and a small draft pass's idle threads weighed in full, and adaptive k drafted at batch 8
+# where it lost 18% to plain decoding. Load bursts on a shared machine only add wall time, which the cost
+# tables' rule below absorbs: a cost falls to a lower measurement at once and rises slowly.)
+spec_clock = time.perf_counter
 
 # A request's own counts weigh as much as the engine-wide rate once it has this many examined drafts.
 PRIOR_WEIGHT = 4.0
