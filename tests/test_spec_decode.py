@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -191,6 +192,20 @@ def test_where_drafting_does_not_pay_requests_drop_their_mtp_upkeep(agreeable: P
         else:
             assert not lapsed_steps and engine.stats().spec.num_draft_tokens > 0
         _all_free(engine)
+
+
+def test_adaptive_k_prices_steps_in_wall_time(agreeable: Path) -> None:
+    """The policy's step costs are the time a user waits, not the process's CPU time: time no thread of
+    the process spends computing (here a step listener sleeping 20 ms: at several threads, waiting threads
+    and memory stalls; at one, other jobs) counts. CPU time weighed 2-thread steps wrongly (spec_policy)."""
+    llm = LLM(model=str(agreeable), max_model_len=256, speculative_config=spec(3, adaptive=True))
+    engine = llm.engine
+    engine.step_listeners.append(lambda s: time.sleep(0.02))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate(_prompts(6, seed=3)[2:3], params, use_tqdm=False)
+    steps = engine.runner.spec.policy.costs.steps
+    assert steps.seconds and min(steps.seconds.values()) >= 0.02
+    _all_free(engine)
 
 
 def _generate_counting_mtp_passes(path: Path, costs, prompts, params):
