@@ -17,7 +17,8 @@ over the tokens after the first), prefill (one --prompt-token prompt, tok/s to i
 engine and thread count runs in a process of its own, interleaved (deltaserve, then its peers at the same
 bytes per weight, then the next format), so load changes on the shared machine hit them alike; the peak
 (VmHWM) and steady (VmRSS after the workloads, the model still loaded) resident memory are that process's
-alone (llama.cpp's weights are a mapped file: they count once touched).
+alone (llama.cpp's weights are a mapped file: they count once touched). Both engines hold the same cache:
+KV for kv_cells tokens (llama.cpp's n_ctx) and the GDN state of --requests sequences.
 
 Decode bandwidth = bytes read per decode token x decode tok/s, against the machine's read bandwidth (a
 large torch sum, measured here at each thread count). Bytes per token: every weight a decode step reads
