@@ -140,7 +140,7 @@ def run_deltaserve(job: Job) -> dict:
 
     torch.set_num_threads(job.threads)
     # The KV blocks hold kv_cells tokens, as llama.cpp's context does (by default the planner would give each
-    # of the max_num_seqs sequences room for max_model_len: 5x the KV memory llama.cpp has here); the GDN
+    # of the max_num_seqs sequences room for max_model_len: 5x its cells, in fp32 against f16); the GDN
     # states take max_num_seqs slots, as llama.cpp's recurrent state does. Prefix caching is off: no prompt
     # shares a prefix.
     n_seq = max(job.requests, 1)
