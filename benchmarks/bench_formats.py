@@ -12,8 +12,9 @@ embeddings, no MTP layer, bf16 on disk (about 1.5 GB). It is written once under
 llama.cpp's own convert_hf_to_gguf.py (bf16), then quantized by llama.cpp to Q8_0 and Q4_K_M.
 
 Workloads, greedy, end of text ignored: decode at batch 1 (a 32-token prompt, then --decode new tokens; tok/s
-over the tokens after the first), prefill (one --prompt-token prompt, tok/s to its first token), batched
-(--requests requests of 64 prompt and 64 new tokens at once; generated tok/s over the whole run). Every
+over the tokens after the first), prefill (a --prompt-token prompt, tok/s to its first token, the best of two
+prompts), batched (--requests requests of 64 prompt and 64 new tokens at once; generated tok/s over the whole
+run). Every
 engine and thread count runs in a process of its own, interleaved (deltaserve, then its peers at the same
 bytes per weight, then the next format), so load changes on the shared machine hit them alike; the peak
 (VmHWM) and steady (VmRSS after the workloads, the model still loaded) resident memory are that process's
@@ -75,6 +76,7 @@ UNQUANTIZED = ("norm", "conv1d", "A_log", "dt_bias", "in_proj_a", "in_proj_b", "
 
 DECODE_PROMPT = 32
 BATCH_PROMPT = BATCH_NEW = 64
+PREFILL_SALTS = (1, 3)  # prefill is one call: the best of two different prompts of the same length
 KV_BLOCK = 16  # deltaserve's default block_size
 
 
@@ -166,8 +168,7 @@ def run_deltaserve(job: Job) -> dict:
         return t1 - t0, time.perf_counter() - t1
 
     run([tokens(16)], 4)  # warm-up: first-call costs (thread pools, allocations) stay out of the numbers
-    first, rest = run([tokens(job.prompt, 1)], 1)
-    out = dict(prefill_tok_s=job.prompt / (first + rest))
+    out = dict(prefill_tok_s=max(job.prompt / sum(run([tokens(job.prompt, salt)], 1)) for salt in PREFILL_SALTS))
     _, rest = run([tokens(DECODE_PROMPT, 2)], job.decode + 1)
     out["decode_tok_s"] = job.decode / rest
     first, rest = run([tokens(BATCH_PROMPT, 10 + r) for r in range(job.requests)], BATCH_NEW)
@@ -197,9 +198,12 @@ def run_transformers(job: Job) -> dict:
 
     with torch.inference_mode():
         generate([tokens(16)], 4)  # warm-up
-        t0 = time.perf_counter()
-        model(torch.tensor([tokens(job.prompt, 1)]), logits_to_keep=1)
-        out = dict(prefill_tok_s=job.prompt / (time.perf_counter() - t0))
+        best = 0.0
+        for salt in PREFILL_SALTS:
+            t0 = time.perf_counter()
+            model(torch.tensor([tokens(job.prompt, salt)]), logits_to_keep=1)
+            best = max(best, job.prompt / (time.perf_counter() - t0))
+        out = dict(prefill_tok_s=best)
         first = generate([tokens(DECODE_PROMPT, 2)], 1)
         out["decode_tok_s"] = (job.decode - 1) / (generate([tokens(DECODE_PROMPT, 2)], job.decode) - first)
         batch = [tokens(BATCH_PROMPT, 10 + r) for r in range(job.requests)]
@@ -261,8 +265,7 @@ def run_llama_cpp(job: Job) -> dict:
         return t1 - t0, time.perf_counter() - t1
 
     run([tokens(16)], 4)  # warm-up
-    first, _ = run([tokens(job.prompt, 1)], 1)
-    out = dict(prefill_tok_s=job.prompt / first)
+    out = dict(prefill_tok_s=max(job.prompt / run([tokens(job.prompt, salt)], 1)[0] for salt in PREFILL_SALTS))
     _, rest = run([tokens(DECODE_PROMPT, 2)], job.decode + 1)
     out["decode_tok_s"] = job.decode / rest
     first, rest = run([tokens(BATCH_PROMPT, 10 + r) for r in range(job.requests)], BATCH_NEW)
