@@ -77,7 +77,6 @@ UNQUANTIZED = ("norm", "conv1d", "A_log", "dt_bias", "in_proj_a", "in_proj_b", "
 DECODE_PROMPT = 32
 BATCH_PROMPT = BATCH_NEW = 64
 PREFILL_SALTS = (1, 3)  # prefill is one call: the best of two different prompts of the same length
-KV_BLOCK = 16  # deltaserve's default block_size
 
 
 @dataclass(slots=True)
@@ -137,6 +136,7 @@ def rss_bytes() -> tuple[int, int]:
 def run_deltaserve(job: Job) -> dict:
     import torch
 
+    from deltaserve.engine.config import EngineConfig
     from deltaserve.engine.llm import LLM
     from deltaserve.sampling import SamplingParams
 
@@ -148,7 +148,7 @@ def run_deltaserve(job: Job) -> dict:
     n_seq = max(job.requests, 1)
     kwargs = dict(model=job.path, num_threads=job.threads, max_num_seqs=n_seq, max_model_len=context_tokens(job),
                   max_num_batched_tokens=max(job.prompt, job.requests * BATCH_PROMPT),
-                  num_kv_blocks=-(-kv_cells(job) // KV_BLOCK) + n_seq, enable_prefix_caching=False)
+                  num_kv_blocks=-(-kv_cells(job) // EngineConfig().block_size) + n_seq, enable_prefix_caching=False)
     if job.weights not in ("bf16", "bf16-act"):  # the checkpoint's own format needs no parameter
         kwargs["quantization"] = job.weights
     if job.weights in ACTIVATION_QUANTIZATION:
