@@ -107,6 +107,25 @@ def test_projection_at_every_row_count_gives_each_row_its_own_sums(ext, fmt: Wei
             assert torch.equal(got[:dot_rows + 1], ext.linear(x[:dot_rows + 1].contiguous(), parts)), rows
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+def test_projection_of_long_rows_in_slices_of_k_gives_each_row_its_own_sums(ext, fmt: WeightFormat) -> None:
+    """From 3 rows of K = 3601 on, the dot-product kernel takes K a slice at a time (its rows of x would not
+    stay in L1), keeping each block's accumulators between slices: every row is the reference's and, bit for
+    bit, what it is alone (one pass over K). The slices end inside groups of 10 and 6 (scales lane by lane)
+    and on multiples of 32, 48 and 128; the last one has a partial 16-lane step; N = 37 leaves partial output
+    blocks."""
+    g = torch.Generator().manual_seed(21)
+    n_out, k_in, most = 37, 3601, 12
+    parts = [spec(torch.randn(n_out, k_in, generator=g), fmt)]
+    x = torch.randn(most, k_in, generator=g)
+    expected = reference(x, parts, k_in)
+    alone = torch.cat([ext.linear(x[r:r + 1].contiguous(), parts) for r in range(most)])
+    for rows in range(2, most + 1):
+        got = ext.linear(x[:rows].contiguous(), parts)
+        assert_close_to(got, expected[:rows], x[:rows], parts, k_in)
+        assert torch.equal(got, alone[:rows]), rows
+
+
 @pytest.mark.parametrize("rows", [1, 7, 100])
 def test_a_projection_of_parts_in_different_formats_is_the_linear_of_their_concatenation(ext, rows: int) -> None:
     """A fused group's parts may differ in format (int8 q|k|v|z with float32 b|a, as the loader leaves them):

@@ -126,12 +126,24 @@ inline void store_sums4(const __m512* acc, int n, float* y) {
 }
 #endif
 
+// The inputs [k_begin, k_end) of a dot_block call: a slice of K, and where its accumulators come from and go.
+// Blocks of one slice after another (dot_rows) keep their 16-lane accumulators in `partial` ([outputs][R][16]
+// floats) between slices: stored and reloaded as they are, so every lane sums the same products in the same
+// order as in one pass over K.
+struct KSlice {
+  int64_t k_begin, k_end;
+  float* partial;  // this block's accumulators: output j's row r at partial[(j * R + r) * 16]; null: one pass
+  bool first() const { return k_begin == 0; }
+  bool last(int64_t K) const { return k_end == K; }
+};
+
 // y[r * ldy + j] = x[r] . w[row0 + j] for r < R, j < NO: the K loop outside, each 16 weights widened once and
 // multiplied into all R rows' accumulators (R x NO of them, lane i of one summing inputs i, i + 16, ... in
-// order), reduced at the end. An output's sum is the same for any R and NO (the greedy screen and argmax rely
-// on it: linear.h).
+// order), reduced at the end. An output's sum is the same for any R and NO and any slicing of K (the greedy
+// screen and argmax rely on it: linear.h). x's rows are K floats apart.
 template <Format F, int NO, int R>
-void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, float* y, int64_t ldy) {
+void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, float* y, int64_t ldy,
+               KSlice slice) {
   const uint8_t* data = bytes_of(p);
   const void* scales = scales_of(p);
 #if defined(__AVX512F__)
@@ -139,7 +151,9 @@ void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, flo
   DS_UNROLL
   for (int r = 0; r < R; ++r) {
     DS_UNROLL
-    for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NO; ++j) {
+      acc[r][j] = slice.first() ? _mm512_setzero_ps() : _mm512_loadu_ps(slice.partial + (j * R + r) * 16);
+    }
   }
   const uint8_t* rows[NO];
   DS_UNROLL
@@ -151,7 +165,7 @@ void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, flo
   for (int j = 0; j < NO; ++j) s[j] = _mm512_setzero_ps();
   const bool per_lane = quantized(F) && p.group % 16 != 0;
   const int64_t steps = quantized(F) && !per_lane ? p.group / 16 : 0;
-  int64_t left = 0, g = 0;
+  int64_t left = 0, g = quantized(F) && !per_lane ? slice.k_begin / p.group : 0;  // a slice starts a group
   auto next_scales = [&](int64_t k0) {
     if constexpr (quantized(F)) {
       if (per_lane) {
@@ -166,15 +180,15 @@ void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, flo
   };
   // bytes of 16 stored values; while a block reads its NO weight rows, the same lines of the next block's rows
   // are prefetched into L2, once per line (NO interleaved streams, which the hardware prefetcher does not keep
-  // ahead). Only for short rows (a block of 16 KB or less: K = 1024 bf16 at one row): blocks of longer rows
-  // (down_proj's K = 3584) measured slower with it.
+  // ahead). It was kept to blocks of 16 KB or less after a measurement (an Intel Xeon) found longer rows slower
+  // with it; on an AMD EPYC, bf16 N = 1024, K = 3584 (down_proj, 1 thread), it gives 17 -> 25 GB/s at one row
+  // and 13 -> 21 at four, and blocks of 16 KB or less do not change.
   constexpr int64_t kBytes16 = F == Format::kFloat32 ? 64 : F == Format::kBFloat16 ? 32 : F == Format::kInt4 ? 8 : 16;
   const int64_t ahead = NO * p.row_bytes;
-  const int64_t prefetch_mask = ahead <= 16384 ? 63 : -1;  // k0's byte offsets at which to prefetch (-1: none)
-  int64_t k0 = 0;
-  for (; k0 + 16 <= K; k0 += 16) {
+  int64_t k0 = slice.k_begin;
+  for (; k0 + 16 <= slice.k_end; k0 += 16) {
     next_scales(k0);
-    if (((k0 * kBytes16 / 16) & prefetch_mask) == 0 && prefetch_mask > 0) {
+    if (((k0 * kBytes16 / 16) & 63) == 0) {
       DS_UNROLL
       for (int j = 0; j < NO; ++j) {
         _mm_prefetch(reinterpret_cast<const char*>(rows[j] + k0 * kBytes16 / 16 + ahead), _MM_HINT_T1);
@@ -190,8 +204,8 @@ void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, flo
       for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
     }
   }
-  if (k0 < K) {
-    const __mmask16 valid = static_cast<__mmask16>((1u << (K - k0)) - 1);
+  if (k0 < slice.k_end) {  // K's last, partial 16 (only the last slice ends off a multiple of 16)
+    const __mmask16 valid = static_cast<__mmask16>((1u << (slice.k_end - k0)) - 1);
     next_scales(k0);
     __m512 w[NO];
     DS_UNROLL
@@ -203,12 +217,21 @@ void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, flo
       for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
     }
   }
+  if (!slice.last(K)) {
+    DS_UNROLL
+    for (int r = 0; r < R; ++r) {
+      DS_UNROLL
+      for (int j = 0; j < NO; ++j) _mm512_storeu_ps(slice.partial + (j * R + r) * 16, acc[r][j]);
+    }
+    return;
+  }
   DS_UNROLL
   for (int r = 0; r < R; ++r) {
     DS_UNROLL
     for (int q = 0; q < NO; q += 4) store_sums4(acc[r] + q, std::min(4, NO - q), y + r * ldy + q);
   }
 #else
+  (void)slice;  // the portable path takes K in one pass (dot_rows)
   float acc[R][NO][16] = {};
   for (int64_t k0 = 0; k0 < K; k0 += 16) {
     const int64_t n = std::min<int64_t>(16, K - k0);
@@ -244,16 +267,49 @@ constexpr int block_outputs(Format F, int R) {
 // pass over the part's outputs (which the first pass left in L2).
 constexpr int kBlockRows = 12;
 
-// Outputs [n, n + count) of part p (local rows) for R rows of x: blocks of block_outputs, then of 2 and 1.
+// The dot kernel's rows of x stay in L1 while the weight rows stream past (each block of outputs reads all of
+// them again) as long as they take at most kOnePassBytes; more are taken a slice of K at a time, each slice's
+// rows in about kSliceBytes. Measured (1 thread, an AMD EPYC, bf16 weights, the blocks' prefetch on), weights
+// read per second at K = 3584 (down_proj), N = 768 / 1024: 4 rows 19.3 / 17.8 GB/s in one pass, 23.6 / 19.2
+// in slices of 1024; 8 rows 14.3 / 15.4 and 15.4 / 16.0 (slices of 512). Slices of 12 KB measured slower at
+// 8 rows (12.7); K = 1024 at up to 8 rows (32 KB of x) did not gain from slices.
+constexpr int64_t kOnePassBytes = 40 * 1024, kSliceBytes = 16 * 1024;
+
+// Inputs per slice of K for R rows: all of K, or a multiple of 256 (and of a quantized part's group, so that a
+// slice starts a group).
+template <Format F>
+int64_t slice_width(const WeightPart& p, int R, int64_t K) {
+#if defined(__AVX512F__)
+  if (R * K * static_cast<int64_t>(sizeof(float)) <= kOnePassBytes) return K;
+  int64_t width = std::max<int64_t>(256, kSliceBytes / (R * static_cast<int64_t>(sizeof(float))) / 256 * 256);
+  if (quantized(F) && p.group % 16 == 0) width = (width + p.group - 1) / p.group * p.group;
+  return std::min(width, K);
+#else
+  (void)p, (void)R;
+  return K;
+#endif
+}
+
+// Outputs [n, n + count) of part p (local rows) for R rows of x: blocks of block_outputs, then of 2 and 1,
+// slice by slice of K (slice_width), the blocks' accumulators kept in a per-thread scratch between slices.
 template <Format F, int R>
 void dot_rows(const WeightPart& p, int64_t row0, int64_t count, const float* x, int64_t K, float* y, int64_t ldy) {
   constexpr int NO = block_outputs(F, R);
-  int64_t j = 0;
-  for (; j + NO <= count; j += NO) dot_block<F, NO, R>(p, row0 + j, x, K, y + j, ldy);
-  if constexpr (NO > 2) {
-    for (; j + 2 <= count; j += 2) dot_block<F, 2, R>(p, row0 + j, x, K, y + j, ldy);
+  const int64_t width = slice_width<F>(p, R, K);
+  thread_local std::vector<float> partial;  // [count][R][16]
+  if (width < K) partial.resize(count * R * 16);
+  for (int64_t k_begin = 0; k_begin < K; k_begin += width) {
+    const int64_t k_end = std::min(K, k_begin + width);
+    const auto slice = [&](int64_t j) {
+      return KSlice{k_begin, k_end, width < K ? partial.data() + j * R * 16 : nullptr};
+    };
+    int64_t j = 0;
+    for (; j + NO <= count; j += NO) dot_block<F, NO, R>(p, row0 + j, x, K, y + j, ldy, slice(j));
+    if constexpr (NO > 2) {
+      for (; j + 2 <= count; j += 2) dot_block<F, 2, R>(p, row0 + j, x, K, y + j, ldy, slice(j));
+    }
+    for (; j < count; ++j) dot_block<F, 1, R>(p, row0 + j, x, K, y + j, ldy, slice(j));
   }
-  for (; j < count; ++j) dot_block<F, 1, R>(p, row0 + j, x, K, y + j, ldy);
 }
 
 // Outputs [n, n + count) of part p (local rows) for T rows of x, in groups of up to kBlockRows rows: each

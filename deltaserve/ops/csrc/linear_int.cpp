@@ -231,12 +231,12 @@ void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_
   int64_t gw = -16;
   // While a block streams its NO weight rows, the same lines of the next block's rows are prefetched into L2,
   // once per line, as dot_block does (NO interleaved streams, which the hardware prefetcher does not keep
-  // ahead), and only for short rows (a block of 16 KB or less), where dot_block measured it to pay.
+  // ahead), whatever the rows' length (int8, N = 1024, K = 3584, one row: 13 -> 16 GB/s with it for long rows,
+  // on an AMD EPYC).
   const int64_t ahead = NO * p.row_bytes, chunk_bytes = F == Format::kInt8 ? 64 : 32;
-  const bool prefetch = ahead <= 16384;
   for (int64_t c = 0; c < C; ++c) {
     const int64_t k0 = 64 * c, g0 = k0 / p.group;
-    if (prefetch && (c * chunk_bytes) % 64 == 0) {
+    if ((c * chunk_bytes) % 64 == 0) {
       for (int j = 0; j < NO; ++j) {
         _mm_prefetch(reinterpret_cast<const char*>(rows[j] + c * chunk_bytes + ahead), _MM_HINT_T1);
       }
