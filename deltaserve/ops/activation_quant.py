@@ -15,7 +15,8 @@ row and per `group` columns):
   q_x and q_w in int32: exact (|D| <= 127 * 127 * group).
 - fp32 order: each group's term is float(D) times the fp32 product s_x * s_w, rounded once; the terms are
   added in fp32. The reference (`linear_reference`) adds them over groups with torch's sum; the kernel adds
-  int32 partial dots of 4 columns (one 32-bit lane) per 64 columns into 16 fp32 lanes, then sums the lanes.
+  int32 partial dots of 4 columns (int8 weights; 8 for int4) of one 32-bit lane per 64 (int4: 128) columns
+  into 16 fp32 lanes, then sums the lanes.
   Orders differ, so results differ by fp32 summation rounding only, never by a different quantization: the
   kernel's q_x and s_x are these bit for bit.
 

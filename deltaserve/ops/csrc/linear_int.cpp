@@ -73,21 +73,22 @@ void quantize_row(const float* x, int64_t K, int64_t group, int8_t* q, float* sc
 #endif
 }
 
-// The column of lane l's first value in chunk c (int8: 4 consecutive columns; int4: the even or the odd
-// columns of 8 consecutive ones).
+// The column of lane l's first value in chunk c (int8: 4 consecutive columns; int4: 8 consecutive ones, the
+// even ones in the chunk's first 64 bytes and the odd ones in its next 64).
 int64_t lane_column(Format f, int64_t c, int64_t l) {
-  return 64 * c + (f == Format::kInt8 ? 4 * l : 8 * (l % 8) + l / 8);
+  return chunk_columns(f) * c + (f == Format::kInt8 ? 4 : 8) * l;
 }
 
-// Where column i (< 64) of a chunk goes in its 64 bytes.
-int64_t lane_byte(Format f, int64_t i) { return f == Format::kInt8 ? i : (i % 2) * 32 + i / 2; }
+// Where column i (< chunk_columns) of a chunk goes in its chunk_bytes bytes.
+int64_t lane_byte(Format f, int64_t i) { return f == Format::kInt8 ? i : (i % 2) * 64 + i / 2; }
 
 // x's T rows quantized into q (its buffers reused: a scratch kept between calls allocates nothing once grown).
 void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
   q.lanes = kVnni && group % 8 == 0;
   q.tiles = false, q.plus128 = false, q.ld = 0;
-  q.chunks = (K + 63) / 64;
+  const int64_t cols = chunk_columns(f), cbytes = chunk_bytes(f);
+  q.chunks = (K + cols - 1) / cols;
   q.values.clear(), q.bias.clear(), q.lane_group.clear();
   const int64_t C = q.chunks, G = q.groups;
   if (!q.lanes) {
@@ -101,28 +102,34 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
   thread_local std::vector<float> scales;
   row.resize(K), scales.resize(G);
   q.lane_group.resize(C * 16);
+  q.span = 1;
   for (int64_t c = 0; c < C; ++c) {
     for (int64_t l = 0; l < 16; ++l) {  // (a lane past K: the last group, whose scale is there to read)
-      q.lane_group[c * 16 + l] = std::min(lane_column(f, c, l) / group, G - 1) - 64 * c / group;
+      q.lane_group[c * 16 + l] = std::min(lane_column(f, c, l) / group, G - 1) - cols * c / group;
+      q.span = std::max<int64_t>(q.span, q.lane_group[c * 16 + l] + 1);
     }
   }
-  q.bytes.assign(T * C * 64, f == Format::kInt8 ? 128 : 0);  // columns past K: q_x = 0
+  q.bytes.assign(T * C * cbytes, f == Format::kInt8 ? 128 : 0);  // columns past K: q_x = 0
   q.scales.assign(T * C * 16, 0.0f);
   if (f == Format::kInt4) q.bias.assign(T * C * 16, 0);
   for (int64_t t = 0; t < T; ++t) {
     quantize_row(x + t * K, K, group, row.data(), scales.data());
-    uint8_t* bytes = q.bytes.data() + t * C * 64;
+    uint8_t* bytes = q.bytes.data() + t * C * cbytes;
     for (int64_t k = 0; k < K; ++k) {
       const uint8_t v = static_cast<uint8_t>(row[k]);
-      bytes[(k / 64) * 64 + lane_byte(f, k % 64)] = f == Format::kInt8 ? static_cast<uint8_t>(v ^ 0x80) : v;
+      const uint8_t stored = f == Format::kInt8 ? static_cast<uint8_t>(v ^ 0x80) : v;
+      bytes[(k / cols) * cbytes + lane_byte(f, k % cols)] = stored;
     }
     for (int64_t c = 0; c < C; ++c) {
       for (int64_t l = 0; l < 16; ++l) {
         const int64_t at = (t * C + c) * 16 + l;
         q.scales[at] = scales[std::min(lane_column(f, c, l) / group, G - 1)];
         if (f != Format::kInt4) continue;
-        int32_t sum = 0;
-        for (int m = 0; m < 4; ++m) sum += static_cast<int8_t>(bytes[c * 64 + 4 * l + m]);
+        int32_t sum = 0;  // the lane's 8 columns: 4 even ones, then 4 odd ones
+        for (int m = 0; m < 4; ++m) {
+          const uint8_t* lane = bytes + c * cbytes + 4 * l + m;
+          sum += static_cast<int8_t>(lane[0]) + static_cast<int8_t>(lane[64]);
+        }
         q.bias[at] = -8 * sum;
       }
     }
@@ -160,12 +167,13 @@ void plain_part(const WeightPart& p, int64_t row0, int64_t count, const Quantize
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// One output's 64 columns of chunk c as vpdpbusd reads them: the weight bytes (int8: s8 q_w; int4: u8 q_w + 8,
-// low nibbles then high ones), the int8 accumulator start (-128 x each lane's sum of q_w) and each lane's
-// group's scale s_w (`rel`: each lane's group's place in `window`, the output's widened scales from a group on).
+// One output's chunk as vpdpbusd reads it: the weight bytes (int8: s8 q_w of 64 columns; int4: u8 q_w + 8 of
+// 128 columns, the low nibbles (even columns) in w and the high ones (odd columns) in w2), the int8 accumulator
+// start (-128 x each lane's sum of q_w) and each lane's group's scale s_w (`rel`: each lane's group's place in
+// `window`, the output's widened scales from a group on).
 template <Format F>
 struct OutputChunk {
-  __m512i w, start;
+  __m512i w, w2, start;
   __m512 scale;
 };
 
@@ -179,12 +187,12 @@ inline OutputChunk<F> output_chunk(const uint8_t* row, int64_t k0, int64_t K, in
     o.w = n >= 64 ? _mm512_loadu_si512(row + k0) : _mm512_maskz_loadu_epi8((1ull << n) - 1, row + k0);
     o.start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(static_cast<char>(0x80)), o.w));
   } else {
-    const int64_t n = row_bytes - k0 / 2;
-    const __m256i b = n >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k0 / 2))
-                              : _mm256_maskz_loadu_epi8(static_cast<__mmask32>((1ull << n) - 1), row + k0 / 2);
-    // both halves hold the 32 bytes; the high half shifted by 4: low nibbles, then high nibbles
-    const __m512i shift = _mm512_inserti64x4(zero, _mm256_set1_epi16(4), 1);
-    o.w = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(b), shift), _mm512_set1_epi8(0x0F));
+    const int64_t n = row_bytes - k0 / 2;  // bytes of this chunk (past the row: zero weights, zero x)
+    const __m512i b = n >= 64 ? _mm512_loadu_si512(row + k0 / 2)
+                              : _mm512_maskz_loadu_epi8((1ull << n) - 1, row + k0 / 2);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    o.w = _mm512_and_si512(b, nibble);
+    o.w2 = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
     o.start = zero;
   }
   o.scale = _mm512_permutexvar_ps(rel, window);
@@ -197,20 +205,21 @@ inline __m512 scale_window(const uint16_t* scales, int64_t g, __mmask16 have) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(s, 16));
 }
 
-// acc += the chunk's lanes of one row (x bytes xv, lane scales sx, int4's lane bias) times one output.
+// acc += the chunk's lanes of one row (x bytes xv, int4's odd columns xv2, lane scales sx, int4's lane bias)
+// times one output.
 template <Format F>
-inline __m512 add_product(__m512 acc, const OutputChunk<F>& o, __m512i xv, __m512 sx, __m512i bias) {
+inline __m512 add_product(__m512 acc, const OutputChunk<F>& o, __m512i xv, __m512i xv2, __m512 sx, __m512i bias) {
   __m512i d;
   if constexpr (F == Format::kInt8) {
     d = _mm512_dpbusd_epi32(o.start, xv, o.w);  // (q_x + 128) q_w - 128 q_w
   } else {
-    d = _mm512_dpbusd_epi32(bias, o.w, xv);  // (q_w + 8) q_x - 8 q_x
+    d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(bias, o.w, xv), o.w2, xv2);  // (q_w + 8) q_x - 8 q_x
   }
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sx, o.scale), acc);
 }
 
-// R rows of q (from t0) times NO consecutive weight rows of part p (from local row row0), 64 columns a step:
-// each weight byte is loaded once for all R rows (the VNNI layout, top of linear_int.h).
+// R rows of q (from t0) times NO consecutive weight rows of part p (from local row row0), a chunk (64 weight
+// bytes) a step: each weight byte is loaded once for all R rows (the VNNI layout, top of linear_int.h).
 template <Format F, int NO, int R>
 void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_t t0, float* y, int64_t ldy) {
   const int64_t C = q.chunks, K = p.K;
@@ -225,50 +234,49 @@ void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_
     for (int j = 0; j < NO; ++j) acc[r][j] = _mm512_setzero_ps();
   }
   // Each output's scales of 16 groups from group gw on, widened once and reused by the chunks they cover (a
-  // chunk spans at most 8 groups of a multiple of 8 columns): a third fewer instructions per chunk than
-  // widening its own scales.
+  // chunk's lanes span q.span groups, at most 16): a third fewer instructions per chunk than widening its own
+  // scales.
   __m512 window[NO];
   int64_t gw = -16;
   // While a block streams its NO weight rows, the same lines of the next block's rows are prefetched into L2,
   // once per line, as dot_block does (NO interleaved streams, which the hardware prefetcher does not keep
   // ahead), whatever the rows' length (int8, N = 1024, K = 3584, one row: 13 -> 16 GB/s with it for long rows,
   // on an AMD EPYC).
-  const int64_t ahead = NO * p.row_bytes, chunk_bytes = F == Format::kInt8 ? 64 : 32;
+  const int64_t ahead = NO * p.row_bytes, cols = chunk_columns(F), cbytes = chunk_bytes(F);
   for (int64_t c = 0; c < C; ++c) {
-    const int64_t k0 = 64 * c, g0 = k0 / p.group;
-    if ((c * chunk_bytes) % 64 == 0) {
-      for (int j = 0; j < NO; ++j) {
-        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + c * chunk_bytes + ahead), _MM_HINT_T1);
-      }
+    const int64_t k0 = cols * c, g0 = k0 / p.group;
+    for (int j = 0; j < NO; ++j) {  // a chunk's weights are one 64-byte line of each row
+      _mm_prefetch(reinterpret_cast<const char*>(rows[j] + k0 * 64 / cols + ahead), _MM_HINT_T1);
     }
-    if (g0 - gw > 8) {
+    if (g0 - gw > 16 - q.span) {
       gw = g0;
       const __mmask16 have = p.groups - gw >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (p.groups - gw)) - 1);
       for (int j = 0; j < NO; ++j) window[j] = scale_window(srows[j], gw, have);
     }
     const __m512i rel = _mm512_add_epi32(_mm512_loadu_si512(q.lane_group.data() + 16 * c),
                                          _mm512_set1_epi32(static_cast<int>(g0 - gw)));
-    // row r's chunk: its bytes, lane scales and (int4) lane bias
-    auto row_chunk = [&](int r, __m512i& xv, __m512& sx, __m512i& bias) {
+    // row r's chunk: its bytes (int4: the even columns', then the odd ones'), lane scales and (int4) lane bias
+    auto row_chunk = [&](int r, __m512i& xv, __m512i& xv2, __m512& sx, __m512i& bias) {
       const int64_t at = (t0 + r) * C + c;
-      xv = _mm512_loadu_si512(q.bytes.data() + at * 64);
+      xv = _mm512_loadu_si512(q.bytes.data() + at * cbytes);
+      xv2 = F == Format::kInt4 ? _mm512_loadu_si512(q.bytes.data() + at * cbytes + 64) : _mm512_setzero_si512();
       sx = _mm512_loadu_ps(q.scales.data() + at * 16);
       bias = F == Format::kInt4 ? _mm512_loadu_si512(q.bias.data() + at * 16) : _mm512_setzero_si512();
     };
-    __m512i xv, bias;
+    __m512i xv, xv2, bias;
     __m512 sx;
     if constexpr (R == 1) {  // one output at a time: its registers die at once (8 outputs' would spill)
-      row_chunk(0, xv, sx, bias);
+      row_chunk(0, xv, xv2, sx, bias);
       for (int j = 0; j < NO; ++j) {
         const OutputChunk<F> o = output_chunk<F>(rows[j], k0, K, p.row_bytes, window[j], rel);
-        acc[0][j] = add_product<F>(acc[0][j], o, xv, sx, bias);
+        acc[0][j] = add_product<F>(acc[0][j], o, xv, xv2, sx, bias);
       }
     } else {  // the outputs' chunks once, for every row
       OutputChunk<F> o[NO];
       for (int j = 0; j < NO; ++j) o[j] = output_chunk<F>(rows[j], k0, K, p.row_bytes, window[j], rel);
       for (int r = 0; r < R; ++r) {
-        row_chunk(r, xv, sx, bias);
-        for (int j = 0; j < NO; ++j) acc[r][j] = add_product<F>(acc[r][j], o[j], xv, sx, bias);
+        row_chunk(r, xv, xv2, sx, bias);
+        for (int j = 0; j < NO; ++j) acc[r][j] = add_product<F>(acc[r][j], o[j], xv, xv2, sx, bias);
       }
     }
   }
@@ -386,6 +394,7 @@ void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, Act
     const QuantizedRows& f = from.layouts[i];
     QuantizedRows& q = to.layouts[i];
     q.format = f.format, q.group = f.group, q.groups = f.groups, q.K = f.K, q.lanes = f.lanes, q.chunks = f.chunks;
+    q.span = f.span;
     q.tiles = f.tiles, q.plus128 = f.plus128, q.ld = f.ld;
     q.lane_group.assign(f.lane_group.begin(), f.lane_group.end());
     // Its only caller (moe.cpp) quantizes its rows without the tile layout (tiles = false): gathering tile
@@ -393,7 +402,8 @@ void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, Act
     TORCH_CHECK(!f.tiles, "gather_rows: rows in the AMX tile layout are not gathered (moe.cpp quantizes without it)");
     // per row: lanes [chunks, 64] bytes and [chunks, 16] scales (and int4 biases); plain [K] and [groups];
     // prompt rows [K] values
-    const int64_t bytes = f.lanes ? f.chunks * 64 : f.K, lanes = f.lanes ? f.chunks * 16 : f.groups;
+    const int64_t bytes = f.lanes ? f.chunks * chunk_bytes(f.format) : f.K;
+    const int64_t lanes = f.lanes ? f.chunks * 16 : f.groups;
     const auto take = [&](const auto& src, auto& dst, int64_t per_row) {
       dst.resize(src.empty() ? 0 : n * per_row);
       for (int64_t r = 0; r < n && !src.empty(); ++r) {

@@ -8,13 +8,15 @@
 //     computed once per output and 64 weights and shared by every row. (Moving the sign of x onto w instead,
 //     |q_x| u8 x sign(x) q_w, costs a masked negate per row and output: more for rows >= 2.)
 //   - int4 weights: the stored nibble q_w + 8 is already u8 and x is s8; the extra 8 x sum(q_x) of each lane
-//     is the accumulator's start, computed once per row when x is quantized. The 32 bytes of 64 columns are
-//     split into their low nibbles (the even columns) and high ones (the odd columns), and x is laid out
-//     to match: each 64 columns' even ones, then their odd ones.
-// Each lane's int32 dot (4 columns, of one group) is converted to fp32 once per 64 columns and multiplied by
-// its group's scale_x x scale_w; the 16 lanes are summed at the end. This needs every lane inside one group:
-// a group that is a multiple of 8 (the default 32 is). Other groups, and builds without AVX512-VNNI (the
-// portable one), compute the same scheme with plain loops, group by group.
+//     is the accumulator's start, computed once per row when x is quantized. The 64 bytes of 128 columns
+//     are split into their low nibbles (the even columns) and high ones (the odd columns), two vpdpbusd into
+//     one accumulator, and x is laid out to match: each 128 columns' even ones, then their odd ones. (Chunks of
+//     64 columns, 32 bytes widened into both halves of a register, took twice the instructions per byte:
+//     the 0.8B's int4 decode read 37% of the machine's bandwidth.)
+// Each lane's int32 dot (int8: 4 columns; int4: 8; of one group) is converted to fp32 once per chunk and
+// multiplied by its group's scale_x x scale_w; the 16 lanes are summed at the end. This needs every lane
+// inside one group: a group that is a multiple of 8 (the default 32 is). Other groups, and builds without
+// AVX512-VNNI (the portable one), compute the same scheme with plain loops, group by group.
 #pragma once
 
 #include <algorithm>
@@ -29,6 +31,10 @@
 
 namespace deltaserve {
 
+// The VNNI layout's chunk (one 64-byte line of a weight row): its columns, and the bytes of a row of x for it.
+constexpr int64_t chunk_columns(Format f) { return f == Format::kInt4 ? 128 : 64; }
+constexpr int64_t chunk_bytes(Format f) { return f == Format::kInt4 ? 128 : 64; }
+
 // Whether part p of projection l reads int8 activations (its int8 / int4 weights do; other formats read x).
 inline bool reads_int8_activations(const Linear& l, const WeightPart& p) {
   return l.int8_activations && (p.format == Format::kInt8 || p.format == Format::kInt4);
@@ -40,13 +46,15 @@ struct QuantizedRows {
   Format format = Format::kInt8;
   int64_t group = 0, groups = 0, K = 0;
   bool lanes = false;  // the VNNI layout (below); else plain: bytes [T, K] q_x, scales [T, groups]
-  int64_t chunks = 0;  // 64 columns each
-  // lanes: bytes [T, chunks, 64] (int8: q_x + 128 in column order; int4: each chunk's even columns' q_x,
-  // then its odd ones'), scales [T, chunks, 16] (each lane's group's scale_x), bias [T, chunks, 16] (int4:
-  // -8 x the sum of the lane's q_x) and lane_group [chunks, 16] (the lane's group minus the chunk's first).
+  int64_t chunks = 0;  // chunk_columns(format) each
+  // lanes: bytes [T, chunks, chunk_bytes] (int8: q_x + 128 in column order; int4: each chunk's even columns'
+  // q_x, then its odd ones'), scales [T, chunks, 16] (each lane's group's scale_x), bias [T, chunks, 16] (int4:
+  // -8 x the sum of the lane's q_x), lane_group [chunks, 16] (the lane's group minus the chunk's first) and
+  // span (the most groups a chunk's lanes span: 1 + the largest lane_group).
   std::vector<uint8_t> bytes;
   std::vector<float> scales;
   std::vector<int32_t> bias, lane_group;
+  int64_t span = 1;
   // Prompt chunks (more than kIntKernelRows rows): x~ = q_x * s_x [T, K] instead, for the packed float kernel.
   std::vector<float> values;
   // kAmxRows rows or more where AMX runs (linear_amx.h): the tile layout, bytes
