@@ -271,8 +271,8 @@ constexpr int kBlockRows = 12;
 // them again) as long as they take at most kOnePassBytes; more are taken a slice of K at a time, each slice's
 // rows in about kSliceBytes. Measured (1 thread, an AMD EPYC, bf16 weights, the blocks' prefetch on), weights
 // read per second at K = 3584 (down_proj), N = 768 / 1024: 4 rows 19.3 / 17.8 GB/s in one pass, 23.6 / 19.2
-// in slices of 1024; 8 rows 14.3 / 15.4 and 15.4 / 16.0 (slices of 512). Slices of 12 KB measured slower at
-// 8 rows (12.7); K = 1024 at up to 8 rows (32 KB of x) did not gain from slices.
+// in slices of 1024; 8 rows 14.3 / 15.4 in one pass, 15.4 / 16.0 in slices of 512. Slices of 12 KB measured
+// slower at 8 rows (12.7); K = 1024 at up to 8 rows (32 KB of x) did not gain from slices.
 constexpr int64_t kOnePassBytes = 40 * 1024, kSliceBytes = 16 * 1024;
 
 // Inputs per slice of K for R rows: all of K, or a multiple of 256 (and of a quantized part's group, so that a
