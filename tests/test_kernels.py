@@ -84,6 +84,20 @@ def test_projection_of_each_format_matches_dequantize_then_matmul(ext, fmt: Weig
         assert torch.equal(ext.linear(x[:fewer].contiguous(), parts), got[:fewer])
 
 
+def each_row_count(ext, fmt: WeightFormat, n_out: int, k_in: int, most: int, seed: int):
+    """For rows = 1..most of one random x: (rows, the projection of its first rows, each row projected alone,
+    x, parts), the projection checked against the reference first."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [spec(torch.randn(n_out, k_in, generator=g), fmt)]
+    x = torch.randn(most, k_in, generator=g)
+    expected = reference(x, parts, k_in)
+    alone = torch.cat([ext.linear(x[r:r + 1].contiguous(), parts) for r in range(most)])
+    for rows in range(1, most + 1):
+        got = ext.linear(x[:rows].contiguous(), parts)
+        assert_close_to(got, expected[:rows], x[:rows], parts, k_in)
+        yield rows, got, alone, x, parts
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
 def test_projection_at_every_row_count_gives_each_row_its_own_sums(ext, fmt: WeightFormat) -> None:
     """1..24 rows: every row-block shape of the dot-product kernel (R rows x NO outputs, R x NO accumulators;
@@ -91,16 +105,8 @@ def test_projection_at_every_row_count_gives_each_row_its_own_sums(ext, fmt: Wei
     blocks of every width, K = 37 a partial 16-lane step (and, for the small groups, a partial last group).
     Every row is the reference's and, bit for bit, what the same kernel gives for that row alone (the greedy
     screen recomputes a panel for one row): a sum landing in another row's or output's accumulator fails."""
-    g = torch.Generator().manual_seed(20)
-    n_out, k_in, most = 75, 37, 24
-    parts = [spec(torch.randn(n_out, k_in, generator=g), fmt)]
-    x = torch.randn(most, k_in, generator=g)
-    expected = reference(x, parts, k_in)
-    alone = torch.cat([ext.linear(x[r:r + 1].contiguous(), parts) for r in range(most)])
     dot_rows = ext.DOT_ROWS
-    for rows in range(1, most + 1):
-        got = ext.linear(x[:rows].contiguous(), parts)
-        assert_close_to(got, expected[:rows], x[:rows], parts, k_in)
+    for rows, got, alone, x, parts in each_row_count(ext, fmt, n_out=75, k_in=37, most=24, seed=20):
         if rows <= dot_rows:
             assert torch.equal(got, alone[:rows]), rows
         else:  # the packed kernel: its first rows as it computes them for fewer rows
@@ -114,15 +120,7 @@ def test_projection_of_long_rows_in_slices_of_k_gives_each_row_its_own_sums(ext,
     bit, what it is alone (one pass over K). The slices end inside groups of 10 and 6 (scales lane by lane)
     and on multiples of 32, 48 and 128; the last one has a partial 16-lane step; N = 37 leaves partial output
     blocks."""
-    g = torch.Generator().manual_seed(21)
-    n_out, k_in, most = 37, 3601, 12
-    parts = [spec(torch.randn(n_out, k_in, generator=g), fmt)]
-    x = torch.randn(most, k_in, generator=g)
-    expected = reference(x, parts, k_in)
-    alone = torch.cat([ext.linear(x[r:r + 1].contiguous(), parts) for r in range(most)])
-    for rows in range(2, most + 1):
-        got = ext.linear(x[:rows].contiguous(), parts)
-        assert_close_to(got, expected[:rows], x[:rows], parts, k_in)
+    for rows, got, alone, _, _ in each_row_count(ext, fmt, n_out=37, k_in=3601, most=12, seed=21):
         assert torch.equal(got, alone[:rows]), rows
 
 
