@@ -79,7 +79,7 @@ int64_t lane_column(Format f, int64_t c, int64_t l) {
   return chunk_columns(f) * c + (f == Format::kInt8 ? 4 : 8) * l;
 }
 
-// Where column i (< chunk_columns) of a chunk goes in its chunk_bytes bytes.
+// Where column i (< chunk_columns) of a chunk goes in the chunk's bytes of x (one per column).
 int64_t lane_byte(Format f, int64_t i) { return f == Format::kInt8 ? i : (i % 2) * 64 + i / 2; }
 
 // x's T rows quantized into q (its buffers reused: a scratch kept between calls allocates nothing once grown).
@@ -87,7 +87,7 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
   q.lanes = kVnni && group % 8 == 0;
   q.tiles = false, q.plus128 = false, q.ld = 0;
-  const int64_t cols = chunk_columns(f), cbytes = chunk_bytes(f);
+  const int64_t cols = chunk_columns(f);
   q.chunks = (K + cols - 1) / cols;
   q.values.clear(), q.bias.clear(), q.lane_group.clear();
   const int64_t C = q.chunks, G = q.groups;
@@ -109,16 +109,16 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
       q.span = std::max<int64_t>(q.span, q.lane_group[c * 16 + l] + 1);
     }
   }
-  q.bytes.assign(T * C * cbytes, f == Format::kInt8 ? 128 : 0);  // columns past K: q_x = 0
+  q.bytes.assign(T * C * cols, f == Format::kInt8 ? 128 : 0);  // columns past K: q_x = 0
   q.scales.assign(T * C * 16, 0.0f);
   if (f == Format::kInt4) q.bias.assign(T * C * 16, 0);
   for (int64_t t = 0; t < T; ++t) {
     quantize_row(x + t * K, K, group, row.data(), scales.data());
-    uint8_t* bytes = q.bytes.data() + t * C * cbytes;
+    uint8_t* bytes = q.bytes.data() + t * C * cols;
     for (int64_t k = 0; k < K; ++k) {
       const uint8_t v = static_cast<uint8_t>(row[k]);
       const uint8_t stored = f == Format::kInt8 ? static_cast<uint8_t>(v ^ 0x80) : v;
-      bytes[(k / cols) * cbytes + lane_byte(f, k % cols)] = stored;
+      bytes[(k / cols) * cols + lane_byte(f, k % cols)] = stored;
     }
     for (int64_t c = 0; c < C; ++c) {
       for (int64_t l = 0; l < 16; ++l) {
@@ -127,7 +127,7 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
         if (f != Format::kInt4) continue;
         int32_t sum = 0;  // the lane's 8 columns: 4 even ones, then 4 odd ones
         for (int m = 0; m < 4; ++m) {
-          const uint8_t* lane = bytes + c * cbytes + 4 * l + m;
+          const uint8_t* lane = bytes + c * cols + 4 * l + m;
           sum += static_cast<int8_t>(lane[0]) + static_cast<int8_t>(lane[64]);
         }
         q.bias[at] = -8 * sum;
@@ -242,7 +242,7 @@ void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_
   // once per line, as dot_block does (NO interleaved streams, which the hardware prefetcher does not keep
   // ahead), whatever the rows' length (int8, N = 1024, K = 3584, one row: 13 -> 16 GB/s with it for long rows,
   // on an AMD EPYC).
-  const int64_t ahead = NO * p.row_bytes, cols = chunk_columns(F), cbytes = chunk_bytes(F);
+  const int64_t ahead = NO * p.row_bytes, cols = chunk_columns(F);
   for (int64_t c = 0; c < C; ++c) {
     const int64_t k0 = cols * c, g0 = k0 / p.group;
     for (int j = 0; j < NO; ++j) {  // a chunk's weights are one 64-byte line of each row
@@ -258,8 +258,8 @@ void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_
     // row r's chunk: its bytes (int4: the even columns', then the odd ones'), lane scales and (int4) lane bias
     auto row_chunk = [&](int r, __m512i& xv, __m512i& xv2, __m512& sx, __m512i& bias) {
       const int64_t at = (t0 + r) * C + c;
-      xv = _mm512_loadu_si512(q.bytes.data() + at * cbytes);
-      xv2 = F == Format::kInt4 ? _mm512_loadu_si512(q.bytes.data() + at * cbytes + 64) : _mm512_setzero_si512();
+      xv = _mm512_loadu_si512(q.bytes.data() + at * cols);
+      xv2 = F == Format::kInt4 ? _mm512_loadu_si512(q.bytes.data() + at * cols + 64) : _mm512_setzero_si512();
       sx = _mm512_loadu_ps(q.scales.data() + at * 16);
       bias = F == Format::kInt4 ? _mm512_loadu_si512(q.bias.data() + at * 16) : _mm512_setzero_si512();
     };
@@ -402,7 +402,7 @@ void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, Act
     TORCH_CHECK(!f.tiles, "gather_rows: rows in the AMX tile layout are not gathered (moe.cpp quantizes without it)");
     // per row: lanes [chunks, 64] bytes and [chunks, 16] scales (and int4 biases); plain [K] and [groups];
     // prompt rows [K] values
-    const int64_t bytes = f.lanes ? f.chunks * chunk_bytes(f.format) : f.K;
+    const int64_t bytes = f.lanes ? f.chunks * chunk_columns(f.format) : f.K;
     const int64_t lanes = f.lanes ? f.chunks * 16 : f.groups;
     const auto take = [&](const auto& src, auto& dst, int64_t per_row) {
       dst.resize(src.empty() ? 0 : n * per_row);

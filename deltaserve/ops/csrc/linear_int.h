@@ -31,9 +31,9 @@
 
 namespace deltaserve {
 
-// The VNNI layout's chunk (one 64-byte line of a weight row): its columns, and the bytes of a row of x for it.
+// The VNNI layout's chunk (one 64-byte line of a weight row): its columns, which are also the bytes of a row of
+// x for it (one q_x byte per column).
 constexpr int64_t chunk_columns(Format f) { return f == Format::kInt4 ? 128 : 64; }
-constexpr int64_t chunk_bytes(Format f) { return f == Format::kInt4 ? 128 : 64; }
 
 // Whether part p of projection l reads int8 activations (its int8 / int4 weights do; other formats read x).
 inline bool reads_int8_activations(const Linear& l, const WeightPart& p) {
@@ -47,7 +47,7 @@ struct QuantizedRows {
   int64_t group = 0, groups = 0, K = 0;
   bool lanes = false;  // the VNNI layout (below); else plain: bytes [T, K] q_x, scales [T, groups]
   int64_t chunks = 0;  // chunk_columns(format) each
-  // lanes: bytes [T, chunks, chunk_bytes] (int8: q_x + 128 in column order; int4: each chunk's even columns'
+  // lanes: bytes [T, chunks, chunk_columns] (int8: q_x + 128 in column order; int4: each chunk's even columns'
   // q_x, then its odd ones'), scales [T, chunks, 16] (each lane's group's scale_x), bias [T, chunks, 16] (int4:
   // -8 x the sum of the lane's q_x), lane_group [chunks, 16] (the lane's group minus the chunk's first) and
   // span (the most groups a chunk's lanes span: 1 + the largest lane_group).
