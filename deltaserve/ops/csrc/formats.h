@@ -13,11 +13,8 @@
 #include <string>
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "fp8.h"
+#include "isa.h"
 
 namespace deltaserve {
 
@@ -133,6 +130,43 @@ inline __m512 widen16(const uint8_t* row_data, int64_t k0, __mmask16 valid, __m5
   } else {  // fp8 E4M3 (fp8.h): the value / 2^8, NaN codes NaN
     // times (scale x 2^8): the same one rounding as value x scale (2^8 is exact; no overflow at these scales)
     return _mm512_mul_ps(widen_fp8x16(row_data + k0, valid), _mm512_mul_ps(scale, _mm512_set1_ps(kFp8Unit)));
+  }
+}
+#endif
+
+#if defined(DELTASERVE_AVX2)
+// The AVX2 build's widening, 8 values a step (one 256-bit register of fp32).
+// The 8 scales of columns k0 .. k0 + 8 of a row: one broadcast when a group holds all 8, else lane by lane.
+inline __m256 scales8(const WeightPart& p, const void* scales, int64_t row, int64_t k0) {
+  if (p.group % 8 == 0) return _mm256_set1_ps(scale_at(p, scales, row, k0));
+  alignas(32) float s[8];
+  for (int i = 0; i < 8; ++i) s[i] = scale_at(p, scales, row, k0 + i);
+  return _mm256_load_ps(s);
+}
+
+// w[row, k0 .. k0 + 8) in fp32 (k0 a multiple of 8, k0 + 8 <= K): the stored values widened in registers, times
+// their scales `scale` (quantized formats), the numbers widen_scalar gives.
+template <Format F>
+inline __m256 widen8(const uint8_t* row_data, int64_t k0, __m256 scale) {
+  (void)scale;  // (unquantized formats)
+  if constexpr (F == Format::kFloat32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row_data) + k0);
+  } else if constexpr (F == Format::kBFloat16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row_data + 2 * k0));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else if constexpr (F == Format::kInt8) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row_data + k0));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale);
+  } else if constexpr (F == Format::kInt4) {
+    // 4 bytes, two columns each (byte j: column 2j in its low nibble): column i is bits 4i .. 4i + 3
+    uint32_t word;
+    std::memcpy(&word, row_data + k0 / 2, sizeof(word));
+    const __m256i q = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+        _mm256_set1_epi32(0x0F));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))), scale);
+  } else {  // fp8 E4M3 through fp16, as widen_fp8x16 (fp8.h)
+    return _mm256_mul_ps(widen_fp8x8(row_data + k0), _mm256_mul_ps(scale, _mm256_set1_ps(kFp8Unit)));
   }
 }
 #endif

@@ -10,9 +10,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 namespace deltaserve {
 
@@ -47,6 +45,18 @@ inline __m512 widen_fp8x16(const uint8_t* codes, __mmask16 valid = 0xFFFF) {
                                        _mm256_slli_epi16(magnitude, 7));
   const __mmask16 nan = _mm256_cmpeq_epi16_mask(magnitude, _mm256_set1_epi16(0x7F));  // E4M3FN's only NaN
   return _mm512_mask_mov_ps(_mm512_cvtph_ps(half), nan, _mm512_set1_ps(NAN));
+}
+#endif
+
+#if defined(DELTASERVE_AVX2)
+// widen_fp8x16 for 8 codes, with AVX2 and F16C.
+inline __m256 widen_fp8x8(const uint8_t* codes) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  const __m128i magnitude = _mm_and_si128(b, _mm_set1_epi16(0x7F));
+  const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                    _mm_slli_epi16(magnitude, 7));
+  const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7F))));
+  return _mm256_blendv_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(NAN), nan);
 }
 #endif
 

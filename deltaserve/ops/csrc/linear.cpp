@@ -126,6 +126,83 @@ inline void store_sums4(const __m512* acc, int n, float* y) {
 }
 #endif
 
+#if defined(DELTASERVE_AVX2)
+// dot_block for AVX2 (16 registers of 8 fp32): y[r * ldy + j] = x[r] . w[row0 + j] for r < R, j < NO, the K
+// loop outside, each 8 weights widened once and multiplied into all R rows' accumulators (lane i of one
+// summing inputs i, i + 8, ... in order), reduced at the end; K's last K % 8 inputs widened by widen_scalar.
+// An output's sum is the same for any R and NO.
+template <Format F, int NO, int R>
+void dot_block_avx2(const WeightPart& p, int64_t row0, const float* x, int64_t K, float* y, int64_t ldy) {
+  const uint8_t* data = bytes_of(p);
+  const void* scales = scales_of(p);
+  __m256 acc[R][NO];
+  DS_UNROLL
+  for (int r = 0; r < R; ++r) {
+    DS_UNROLL
+    for (int j = 0; j < NO; ++j) acc[r][j] = _mm256_setzero_ps();
+  }
+  const uint8_t* rows[NO];
+  DS_UNROLL
+  for (int j = 0; j < NO; ++j) rows[j] = data + (row0 + j) * p.row_bytes;
+  __m256 s[NO];  // the scales, as dot_block's: one broadcast per group and output, else lane by lane
+  DS_UNROLL
+  for (int j = 0; j < NO; ++j) s[j] = _mm256_setzero_ps();
+  const bool per_lane = quantized(F) && p.group % 8 != 0;
+  const int64_t steps = quantized(F) && !per_lane ? p.group / 8 : 0;
+  int64_t left = 0, g = 0;
+  // the next block's rows prefetched into L2, once per 64-byte line, as dot_block does
+  constexpr int64_t kBytes8 = F == Format::kFloat32 ? 32 : F == Format::kBFloat16 ? 16 : F == Format::kInt4 ? 4 : 8;
+  const int64_t ahead = NO * p.row_bytes;
+  int64_t k0 = 0;
+  for (; k0 + 8 <= K; k0 += 8) {
+    if constexpr (quantized(F)) {
+      if (per_lane) {
+        DS_UNROLL
+        for (int j = 0; j < NO; ++j) s[j] = scales8(p, scales, row0 + j, k0);
+      } else if (left-- == 0) {
+        DS_UNROLL
+        for (int j = 0; j < NO; ++j) s[j] = _mm256_set1_ps(scale_by_index(p, scales, (row0 + j) * p.groups + g));
+        ++g, left = steps - 1;
+      }
+    }
+    if (((k0 * kBytes8 / 8) & 63) == 0) {
+      DS_UNROLL
+      for (int j = 0; j < NO; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + k0 * kBytes8 / 8 + ahead), _MM_HINT_T1);
+      }
+    }
+    if constexpr (R == 1) {  // each widened row used at once: NO accumulators and few other registers
+      const __m256 xv = _mm256_loadu_ps(x + k0);
+      DS_UNROLL
+      for (int j = 0; j < NO; ++j) acc[0][j] = _mm256_fmadd_ps(xv, widen8<F>(rows[j], k0, s[j]), acc[0][j]);
+    } else {
+      __m256 w[NO];
+      DS_UNROLL
+      for (int j = 0; j < NO; ++j) w[j] = widen8<F>(rows[j], k0, s[j]);
+      DS_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + r * K + k0);
+        DS_UNROLL
+        for (int j = 0; j < NO; ++j) acc[r][j] = _mm256_fmadd_ps(xv, w[j], acc[r][j]);
+      }
+    }
+  }
+  if (k0 < K) {  // K's last, partial 8: zeros past K in both
+    alignas(32) float w[NO][8] = {}, xt[R][8] = {};
+    for (int j = 0; j < NO; ++j) widen_scalar(p, data, scales, row0 + j, k0, K - k0, w[j]);
+    for (int r = 0; r < R; ++r) std::memcpy(xt[r], x + r * K + k0, (K - k0) * sizeof(float));
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < NO; ++j) acc[r][j] = _mm256_fmadd_ps(_mm256_load_ps(xt[r]), _mm256_load_ps(w[j]), acc[r][j]);
+    }
+  }
+  DS_UNROLL
+  for (int r = 0; r < R; ++r) {
+    DS_UNROLL
+    for (int j = 0; j < NO; ++j) y[r * ldy + j] = sum8(acc[r][j]);
+  }
+}
+#endif
+
 // The inputs [k_begin, k_end) of a dot_block call: a slice of K, and where its accumulators come from and go.
 // Blocks of one slice after another (dot_rows) keep their 16-lane accumulators in `partial` ([outputs][R][16]
 // floats) between slices: stored and reloaded as they are, so every lane sums the same products in the same
@@ -230,8 +307,11 @@ void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, flo
     DS_UNROLL
     for (int q = 0; q < NO; q += 4) store_sums4(acc[r] + q, std::min(4, NO - q), y + r * ldy + q);
   }
+#elif defined(DELTASERVE_AVX2)
+  (void)slice;  // the AVX2 path takes K in one pass (slice_width)
+  dot_block_avx2<F, NO, R>(p, row0, x, K, y, ldy);
 #else
-  (void)slice;  // the portable path takes K in one pass (dot_rows)
+  (void)slice;  // the portable path takes K in one pass (slice_width)
   float acc[R][NO][16] = {};
   for (int64_t k0 = 0; k0 < K; k0 += 16) {
     const int64_t n = std::min<int64_t>(16, K - k0);
@@ -259,6 +339,10 @@ void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, flo
 // their scales, quantized formats) and one x vector within the 32 vector registers; at one row, 8 independent
 // FMA chains hide the FMA latency (4 did not).
 constexpr int block_outputs(Format F, int R) {
+#if defined(DELTASERVE_AVX2)  // 16 registers: R x NO accumulators, NO widened weights (and scales), x
+  if (quantized(F)) return R <= 1 ? 6 : R <= 2 ? 3 : R <= 5 ? 2 : 1;
+  return R <= 1 ? 8 : R <= 2 ? 4 : R <= 3 ? 3 : R <= 6 ? 2 : 1;
+#endif
   if (quantized(F)) return R <= 1 ? 8 : R <= 3 ? 6 : R <= 5 ? 4 : R <= 8 ? 3 : 2;
   return R <= 2 ? 8 : R <= 3 ? 6 : R <= 4 ? 5 : R <= 6 ? 4 : R <= 8 ? 3 : 2;
 }
@@ -374,6 +458,28 @@ void pack_tile(const Linear& l, int64_t n0, int64_t ncols, int64_t k0, int64_t k
       for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(tile + (kc + i) * kPanel + j0, v[i]);
     }
   }
+#elif defined(DELTASERVE_AVX2)
+  // output by output, 8 inputs widened at a time and stored down the tile's column
+  std::fill(tile, tile + kb * kPanel, 0.0f);
+  for (int64_t j = 0; j < ncols; ++j) {
+    const WeightPart& p = *part[j];
+    const uint8_t* r = bytes_of(p) + row[j] * p.row_bytes;
+    int64_t kc = 0;
+    with_format(p.format, [&](auto F) {
+      constexpr Format kF = decltype(F)::value;
+      alignas(32) float w[8];
+      for (; kc + 8 <= kb; kc += 8) {
+        const __m256 scale = quantized(kF) ? scales8(p, scales_of(p), row[j], k0 + kc) : _mm256_setzero_ps();
+        _mm256_store_ps(w, widen8<kF>(r, k0 + kc, scale));
+        for (int64_t i = 0; i < 8; ++i) tile[(kc + i) * kPanel + j] = w[i];
+      }
+    });
+    if (kc < kb) {
+      float w[8];
+      widen_scalar(p, bytes_of(p), scales_of(p), row[j], k0 + kc, kb - kc, w);
+      for (int64_t i = 0; i < kb - kc; ++i) tile[(kc + i) * kPanel + j] = w[i];
+    }
+  }
 #else
   for (int64_t j = 0; j < kPanel; ++j) {
     for (int64_t kc = 0; kc < kb; kc += 16) {
@@ -426,6 +532,35 @@ void tile_rows(const float* x, int64_t ldx, int64_t kb, const float* tile, float
   tile_rows_with<R>(x, ldx, kb, [tile](int64_t k, __m512 w[4]) {
     for (int j = 0; j < 4; ++j) w[j] = _mm512_loadu_ps(tile + k * kPanel + 16 * j);
   }, y, ldy, ncols, accumulate);
+#elif defined(DELTASERVE_AVX2)
+  // a quarter of the tile (16 outputs, 2 registers) at a time: R x 2 accumulators, its 2 weight vectors and one
+  // x broadcast within 16 registers; y's columns past ncols through a scratch row
+  for (int64_t q = 0; q < ncols; q += 16) {
+    const bool whole = q + 16 <= ncols;
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      alignas(32) float start[16] = {};
+      if (accumulate) std::memcpy(start, y + r * ldy + q, std::min<int64_t>(16, ncols - q) * sizeof(float));
+      acc[r][0] = _mm256_load_ps(start), acc[r][1] = _mm256_load_ps(start + 8);
+    }
+    for (int64_t k = 0; k < kb; ++k) {
+      const __m256 w0 = _mm256_loadu_ps(tile + k * kPanel + q), w1 = _mm256_loadu_ps(tile + k * kPanel + q + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+        acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      if (whole) {
+        _mm256_storeu_ps(y + r * ldy + q, acc[r][0]), _mm256_storeu_ps(y + r * ldy + q + 8, acc[r][1]);
+        continue;
+      }
+      alignas(32) float out[16];
+      _mm256_store_ps(out, acc[r][0]), _mm256_store_ps(out + 8, acc[r][1]);
+      std::memcpy(y + r * ldy + q, out, (ncols - q) * sizeof(float));
+    }
+  }
 #else
   float acc[R][kPanel];
   for (int r = 0; r < R; ++r) {

@@ -5,9 +5,8 @@
 #include <cstring>
 #include <initializer_list>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "isa.h"
+#include "simd.h"
 
 namespace deltaserve {
 
@@ -73,6 +72,34 @@ void quantize_row(const float* x, int64_t K, int64_t group, int8_t* q, float* sc
 #endif
 }
 
+#if defined(DELTASERVE_AVX2)
+constexpr bool kAvx2 = true;
+#else
+constexpr bool kAvx2 = false;
+#endif
+
+// Whether the AVX2 integer kernel (int_block_avx2) takes parts of this group and K.
+inline bool avx2_int_kernel_takes(int64_t group, int64_t K) { return group % 32 == 0 && K % 32 == 0; }
+
+// T plain int4 rows of q put in the AVX2 layout (QuantizedRows::avx2): each 32 columns' even ones, then
+// their odd ones, and each group's bias.
+void split_int4_rows(QuantizedRows& q, int64_t T) {
+  q.bias.resize(T * q.groups);
+  int8_t step[32];
+  for (int64_t t = 0; t < T; ++t) {
+    int8_t* row = reinterpret_cast<int8_t*>(q.bytes.data()) + t * q.K;
+    for (int64_t g = 0; g < q.groups; ++g) {
+      int32_t sum = 0;
+      for (int64_t k = g * q.group; k < std::min(q.K, (g + 1) * q.group); ++k) sum += row[k];
+      q.bias[t * q.groups + g] = -8 * sum;
+    }
+    for (int64_t k0 = 0; k0 < q.K; k0 += 32) {
+      for (int i = 0; i < 32; ++i) step[(i % 2) * 16 + i / 2] = row[k0 + i];
+      std::memcpy(row + k0, step, sizeof(step));
+    }
+  }
+}
+
 // The column of lane l's first value in chunk c (int8: 4 consecutive columns; int4: 8 consecutive ones, the
 // even ones in the chunk's first 64 bytes and the odd ones in its next 64).
 int64_t lane_column(Format f, int64_t c, int64_t l) {
@@ -86,6 +113,7 @@ int64_t lane_byte(Format f, int64_t i) { return f == Format::kInt8 ? i : (i % 2)
 void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
   q.lanes = kVnni && group % 8 == 0;
+  q.avx2 = kAvx2 && avx2_int_kernel_takes(group, K);
   q.tiles = false, q.plus128 = false, q.ld = 0;
   const int64_t cols = chunk_columns(f);
   q.chunks = (K + cols - 1) / cols;
@@ -96,6 +124,7 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
     for (int64_t t = 0; t < T; ++t) {
       quantize_row(x + t * K, K, group, reinterpret_cast<int8_t*>(q.bytes.data()) + t * K, q.scales.data() + t * G);
     }
+    if (q.avx2 && f == Format::kInt4) split_int4_rows(q, T);
     return;
   }
   thread_local std::vector<int8_t> row;
@@ -315,6 +344,120 @@ void int_part(const WeightPart& p, int64_t row0, int64_t count, const QuantizedR
 }
 #endif
 
+#if defined(DELTASERVE_AVX2)
+// The AVX2 kernel (no VNNI), over the AVX2 layout (QuantizedRows::avx2), 32 columns a step, each step's
+// products summed by vpmaddubsw (u8 x s8, two products per int16) and vpmaddwd by ones into 8 int32 lanes of
+// 4 columns:
+//   - int8 weights: |q_w| (u8) times q_x carrying q_w's sign (vpsignb); a pair of products is at most
+//     2 x 127 x 127, so the int16 never saturates (q_x and q_w lie in [-127, 127]).
+//   - int4 weights: the stored nibbles q_w + 8 (u8: 16 bytes' low nibbles, the even columns, then their high
+//     ones, the odd columns, as x is laid out) times q_x; the group's -8 x sum(q_x) (bias) is added once.
+// A group's lanes add up in int32; once per group they are converted to fp32 and multiplied by s_x x s_w into
+// the 8 fp32 lanes, which are summed at the end.
+
+// One weight row's step of 32 columns as vpmaddubsw's u8 operand (int8: |q_w|; int4: q_w + 8), and int8's
+// signs.
+template <Format F>
+struct WeightStep {
+  __m256i u, sign;
+};
+
+template <Format F>
+inline WeightStep<F> weight_step(const uint8_t* row, int64_t k0) {
+  if constexpr (F == Format::kInt8) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k0));
+    return {_mm256_abs_epi8(w), w};
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i even = _mm_and_si128(b, nibble), odd = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
+    return {_mm256_set_m128i(odd, even), _mm256_setzero_si256()};
+  }
+}
+
+// R rows of q (from t0) times NO consecutive weight rows of part p (from local row row0): each step's weights
+// loaded once for all R rows.
+template <Format F, int NO, int R>
+void int_block_avx2(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_t t0, float* y, int64_t ldy) {
+  const int64_t K = p.K, G = p.groups;
+  const uint8_t* rows[NO];
+  const uint16_t* srows[NO];
+  for (int j = 0; j < NO; ++j) {
+    rows[j] = data_of(p) + (row0 + j) * p.row_bytes;
+    srows[j] = scales_of(p) + (row0 + j) * G;
+  }
+  const int8_t* xr[R];
+  const float* sx[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = reinterpret_cast<const int8_t*>(q.bytes.data()) + (t0 + r) * K;
+    sx[r] = q.scales.data() + (t0 + r) * G;
+  }
+  __m256 acc[R][NO];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < NO; ++j) acc[r][j] = _mm256_setzero_ps();
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  // the next block's rows prefetched into L2 a line at a time, as int_block does
+  const int64_t ahead = NO * p.row_bytes, step_bytes = F == Format::kInt8 ? 32 : 16;
+  for (int64_t g = 0, k0 = 0; g < G; ++g) {
+    __m256i dots[R][NO];
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < NO; ++j) dots[r][j] = _mm256_setzero_si256();
+    }
+    for (const int64_t k_end = std::min(K, k0 + p.group); k0 < k_end; k0 += 32) {  // (the last group may be short)
+      const int64_t at = k0 / 32 * step_bytes;
+      if ((at & 63) == 0) {
+        for (int j = 0; j < NO; ++j) _mm_prefetch(reinterpret_cast<const char*>(rows[j] + at + ahead), _MM_HINT_T1);
+      }
+      for (int j = 0; j < NO; ++j) {
+        const WeightStep<F> w = weight_step<F>(rows[j], k0);
+        for (int r = 0; r < R; ++r) {
+          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + k0));
+          if constexpr (F == Format::kInt8) xv = _mm256_sign_epi8(xv, w.sign);
+          dots[r][j] = _mm256_add_epi32(dots[r][j], _mm256_madd_epi16(_mm256_maddubs_epi16(w.u, xv), ones));
+        }
+      }
+    }
+    if constexpr (F == Format::kInt4) {
+      for (int r = 0; r < R; ++r) {
+        const __m256i bias = _mm256_setr_epi32(q.bias[(t0 + r) * G + g], 0, 0, 0, 0, 0, 0, 0);
+        for (int j = 0; j < NO; ++j) dots[r][j] = _mm256_add_epi32(dots[r][j], bias);
+      }
+    }
+    for (int j = 0; j < NO; ++j) {
+      const float sw = bf16_to_float(srows[j][g]);
+      for (int r = 0; r < R; ++r) {
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][j]), _mm256_set1_ps(sx[r][g] * sw), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < NO; ++j) y[r * ldy + j] = sum8(acc[r][j]);
+  }
+}
+
+// Outputs [row0, row0 + count) of part p for rows t < T of q from t0: one row 4 outputs at a time, two rows 2,
+// more one output for up to 4 rows (R x NO int32 and fp32 accumulators within 16 registers).
+template <Format F>
+void int_part_avx2(const WeightPart& p, int64_t row0, int64_t count, const QuantizedRows& q, int64_t t0, int64_t T,
+                   float* y, int64_t ldy) {
+  int64_t j = 0;
+  if (T == 1) {
+    for (; j + 4 <= count; j += 4) int_block_avx2<F, 4, 1>(p, row0 + j, q, t0, y + j, ldy);
+  }
+  if (T == 2) {
+    for (; j + 2 <= count; j += 2) int_block_avx2<F, 2, 2>(p, row0 + j, q, t0, y + j, ldy);
+  }
+  for (; j < count; ++j) {
+    for (int64_t t = 0; t < T; t += 4) {
+      with_rows<4>(std::min<int64_t>(4, T - t), [&](auto R) {
+        int_block_avx2<F, 1, decltype(R)::value>(p, row0 + j, q, t0 + t, y + t * ldy + j, ldy);
+      });
+    }
+  }
+}
+#endif
+
 const QuantizedRows& layout_for(const ActivationRows& a, const WeightPart& p) {
   for (const QuantizedRows& q : a.layouts) {
     if (q.format == p.format && q.group == p.group) return q;
@@ -327,7 +470,7 @@ const QuantizedRows& layout_for(const ActivationRows& a, const WeightPart& p) {
 // x~ = q_x * s_x of every row (values), each group's q_x and s_x those quantize_row gives.
 void dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
-  q.lanes = false, q.tiles = false, q.plus128 = false, q.chunks = 0, q.ld = 0;
+  q.lanes = false, q.avx2 = false, q.tiles = false, q.plus128 = false, q.chunks = 0, q.ld = 0;
   q.bytes.clear(), q.scales.clear(), q.bias.clear(), q.lane_group.clear();
   q.values.resize(T * K);
   thread_local std::vector<int8_t> row;
@@ -344,7 +487,7 @@ void dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t gro
 // zeros past K and in the kTileSlack rows past T; plus128: every byte of the T rows + 128 (q_x = 0 past K).
 void tiles_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, bool plus128, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
-  q.lanes = false, q.tiles = true, q.plus128 = plus128, q.chunks = 0, q.ld = q.groups * group;
+  q.lanes = false, q.avx2 = false, q.tiles = true, q.plus128 = plus128, q.chunks = 0, q.ld = q.groups * group;
   q.values.clear(), q.bias.clear(), q.lane_group.clear();
   q.bytes.assign((T + kTileSlack) * q.ld, 0);
   q.scales.assign((T + kTileSlack) * q.groups, 0.0f);
@@ -395,7 +538,7 @@ void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, Act
     QuantizedRows& q = to.layouts[i];
     q.format = f.format, q.group = f.group, q.groups = f.groups, q.K = f.K, q.lanes = f.lanes, q.chunks = f.chunks;
     q.span = f.span;
-    q.tiles = f.tiles, q.plus128 = f.plus128, q.ld = f.ld;
+    q.tiles = f.tiles, q.plus128 = f.plus128, q.ld = f.ld, q.avx2 = f.avx2;
     q.lane_group.assign(f.lane_group.begin(), f.lane_group.end());
     // Its only caller (moe.cpp) quantizes its rows without the tile layout (tiles = false): gathering tile
     // rows would also need their kTileSlack rows of zeros, which nothing here does.
@@ -454,6 +597,17 @@ void int_panel(const Linear& l, const ActivationRows& a, const float* x, int64_t
           int_part<Format::kInt8>(p, n - l.starts[i], count, q, r0, r1 - r0, y, ldo);
         } else {
           int_part<Format::kInt4>(p, n - l.starts[i], count, q, r0, r1 - r0, y, ldo);
+        }
+        n += count;
+        continue;
+      }
+#endif
+#if defined(DELTASERVE_AVX2)
+      if (q.avx2) {
+        if (p.format == Format::kInt8) {
+          int_part_avx2<Format::kInt8>(p, n - l.starts[i], count, q, r0, r1 - r0, y, ldo);
+        } else {
+          int_part_avx2<Format::kInt4>(p, n - l.starts[i], count, q, r0, r1 - r0, y, ldo);
         }
         n += count;
         continue;

@@ -55,6 +55,10 @@ struct QuantizedRows {
   std::vector<float> scales;
   std::vector<int32_t> bias, lane_group;
   int64_t span = 1;
+  // avx2: the AVX2 kernel's layout (builds with AVX2 but not AVX-512; groups and K multiples of 32): plain,
+  // except that int4 rows hold each 32 columns' 16 even ones, then their 16 odd ones (the order of the low and
+  // high nibbles of 16 weight bytes), and bias [T, groups] = -8 x the group's sum of q_x.
+  bool avx2 = false;
   // Prompt chunks (more than kIntKernelRows rows): x~ = q_x * s_x [T, K] instead, for the packed float kernel.
   std::vector<float> values;
   // kAmxRows rows or more where AMX runs (linear_amx.h): the tile layout, bytes

@@ -7,9 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 namespace deltaserve {
 
@@ -38,6 +36,15 @@ inline void transpose16(__m512 r[16]) {
     r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
     r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
   }
+}
+#endif
+
+#if defined(DELTASERVE_AVX2)
+// The sum of acc's 8 lanes, in one fixed order (the AVX2 kernels' accumulators).
+inline float sum8(__m256 acc) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
 #endif
 
