@@ -322,6 +322,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "format name, group); activation_quantization 'int8': the int8 / int4 parts as activation_quant.py's "
         "reference",
         pybind11::arg("x"), pybind11::arg("parts"), pybind11::arg("activation_quantization") = "none");
+#if defined(__AVX512F__)
+  m.attr("VECTOR_KERNELS") = "avx512";  // which kernels this build compiled (isa.h)
+#elif defined(DELTASERVE_AVX2)
+  m.attr("VECTOR_KERNELS") = "avx2";
+#else
+  m.attr("VECTOR_KERNELS") = "plain";
+#endif
   m.attr("DOT_ROWS") = kDotRows;  // up to this many rows, linear runs the dot-product kernel (else the packed one)
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   m.attr("BF16_PAIR_KERNEL") = true;  // this build multiplies bf16 panels by bf16 activations in pairs
