@@ -1,6 +1,6 @@
 """Activation quantization (activation_quantization = "int8", deltaserve/ops/activation_quant.py): the C++
-integer kernel (deltaserve/ops/csrc/linear_int.h; VNNI lanes where the group is a multiple of 8, plain loops
-otherwise and in the portable build) against the scheme's reference, in every row count the engine runs
+integer kernel (deltaserve/ops/csrc/linear_int.h; VNNI lanes where the group is a multiple of 8; in AVX2 builds,
+steps of 32 columns where the group and K are multiples of 32; plain loops otherwise and in the portable build) against the scheme's reference, in every row count the engine runs
 (decode, verify rows, batched steps, prompt chunks), with partial groups, odd K and K not a multiple of 64,
 parts of several formats in one projection, the fused argmax and the sparse-MoE MLP; the Python modules'
 forward against the same reference; and the setting's checks."""
@@ -30,7 +30,9 @@ def ext(request):
 FORMATS = [WeightFormat.of("int8"), WeightFormat.of("int4"), WeightFormat.of("int8", 8), WeightFormat.of("int4", 16),
            WeightFormat.of("int8", 24), WeightFormat.of("int4", 128), WeightFormat.of("int8", 10),
            WeightFormat.of("int4", 6), WeightFormat.of("int4", 8), WeightFormat.of("int4", 40)]
-SHAPES = [(70, 33), (130, 200), (5, 1), (64, 1100), (9, 127), (17, 64)]  # (N, K)
+# (N, K); in AVX2 builds, K = 64, 96 and 320 take the AVX2 kernel for groups of 32 and 128 (96 and 320: a last
+# group shorter than 128)
+SHAPES = [(70, 33), (130, 200), (5, 1), (64, 1100), (9, 127), (17, 64), (33, 96), (70, 320)]
 
 
 def int_bound(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat, k: int) -> torch.Tensor:

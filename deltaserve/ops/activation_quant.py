@@ -1,8 +1,8 @@
 """Activation quantization for int8 / int4 weights (activation_quantization = "int8"): a projection's input
 rows are quantized to int8 the way its weights are, and each group's products are summed as integers, as
 llama.cpp's Q8_0 / Q8_K activations are. This module is the scheme's definition and its plain-torch reference;
-the fused step's integer kernel (deltaserve/ops/csrc/linear_int.h, AVX512-VNNI) computes the same numbers, and
-the Python model's Linear and Experts apply it when the setting is on, so both executors agree.
+the fused step's integer kernel (deltaserve/ops/csrc/linear_int.h: AVX512-VNNI or AVX2) computes the same
+numbers, and the Python model's Linear and Experts apply it when the setting is on, so both executors agree.
 
 The scheme, for x [T, K] and weights w [N, K] in int8 or int4 (formats.py: q_w with one bf16 scale s_w per
 row and per `group` columns):

@@ -203,6 +203,76 @@ void dot_block_avx2(const WeightPart& p, int64_t row0, const float* x, int64_t K
 }
 #endif
 
+#if defined(DELTASERVE_AVX2)
+// Weight rows of up to this many bytes are read one after another by dot_row_avx2 (one sequential stream)
+// rather than NO interleaved by dot_block_avx2.
+constexpr int64_t kSequentialRowBytes = 4096;
+
+// y[r * ldy] = x[r] . w[row] for r < R (R <= 3): the row read once, front to back, its 8-input steps taken
+// into 4 accumulators per row of x in turn (step s into accumulator s % 4, so that 4 FMA chains run at once
+// with one weight stream), the next kilobyte of the row (and then of the rows after it) prefetched into L1.
+// An output's sum is the same for any R.
+template <Format F, int R>
+void dot_row_avx2(const WeightPart& p, int64_t row, const float* x, int64_t K, float* y, int64_t ldy) {
+  const uint8_t* data = bytes_of(p);
+  const void* scales = scales_of(p);
+  const uint8_t* w = data + row * p.row_bytes;
+  __m256 acc[R][4];
+  DS_UNROLL
+  for (int r = 0; r < R; ++r) {
+    DS_UNROLL
+    for (int a = 0; a < 4; ++a) acc[r][a] = _mm256_setzero_ps();
+  }
+  const bool per_lane = quantized(F) && p.group % 8 != 0;
+  const int64_t steps = quantized(F) && !per_lane ? p.group / 8 : 0;
+  int64_t left = 0, g = 0;
+  __m256 s = _mm256_setzero_ps();
+  const auto next_scale = [&](int64_t k0) {
+    if constexpr (quantized(F)) {
+      if (per_lane) {
+        s = scales8(p, scales, row, k0);
+      } else if (left-- == 0) {
+        s = _mm256_set1_ps(scale_by_index(p, scales, row * p.groups + g));
+        ++g, left = steps - 1;
+      }
+    }
+  };
+  constexpr int64_t kBytes8 = F == Format::kFloat32 ? 32 : F == Format::kBFloat16 ? 16 : F == Format::kInt4 ? 4 : 8;
+  int64_t k0 = 0;
+  for (; k0 + 32 <= K; k0 += 32) {
+    const int64_t at = k0 * kBytes8 / 8;  // this step's first byte: a step is 4 x kBytes8 bytes, each line once
+    for (int64_t b = (64 - at % 64) % 64; b < 4 * kBytes8; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + at + b + 1024), _MM_HINT_T0);
+    }
+    DS_UNROLL
+    for (int a = 0; a < 4; ++a) {
+      next_scale(k0 + 8 * a);
+      const __m256 wv = widen8<F>(w, k0 + 8 * a, s);
+      DS_UNROLL
+      for (int r = 0; r < R; ++r) acc[r][a] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k0 + 8 * a), wv, acc[r][a]);
+    }
+  }
+  for (int a = 0; k0 < K; k0 += 8, ++a) {  // K's last steps (the very last one partial: zeros past K)
+    if (k0 + 8 <= K) {
+      next_scale(k0);
+      const __m256 wv = widen8<F>(w, k0, s);
+      for (int r = 0; r < R; ++r) acc[r][a] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k0), wv, acc[r][a]);
+      continue;
+    }
+    alignas(32) float wt[8] = {}, xt[8] = {};
+    widen_scalar(p, data, scales, row, k0, K - k0, wt);
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(xt, x + r * K + k0, (K - k0) * sizeof(float));
+      acc[r][a] = _mm256_fmadd_ps(_mm256_load_ps(xt), _mm256_load_ps(wt), acc[r][a]);
+    }
+  }
+  DS_UNROLL
+  for (int r = 0; r < R; ++r) {
+    y[r * ldy] = sum8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+  }
+}
+#endif
+
 // The inputs [k_begin, k_end) of a dot_block call: a slice of K, and where its accumulators come from and go.
 // Blocks of one slice after another (dot_rows) keep their 16-lane accumulators in `partial` ([outputs][R][16]
 // floats) between slices: stored and reloaded as they are, so every lane sums the same products in the same
@@ -378,6 +448,18 @@ int64_t slice_width(const WeightPart& p, int R, int64_t K) {
 // slice by slice of K (slice_width), the blocks' accumulators kept in a per-thread scratch between slices.
 template <Format F, int R>
 void dot_rows(const WeightPart& p, int64_t row0, int64_t count, const float* x, int64_t K, float* y, int64_t ldy) {
+#if defined(DELTASERVE_AVX2)
+  if (p.row_bytes <= kSequentialRowBytes) {  // one weight row at a time, for up to 3 rows of x at a time
+    for (int64_t j = 0; j < count; ++j) {
+      for (int r0 = 0; r0 < R; r0 += 3) {
+        with_rows<3>(std::min(3, R - r0), [&](auto Rs) {
+          dot_row_avx2<F, decltype(Rs)::value>(p, row0 + j, x + r0 * K, K, y + r0 * ldy + j, ldy);
+        });
+      }
+    }
+    return;
+  }
+#endif
   constexpr int NO = block_outputs(F, R);
   const int64_t width = slice_width<F>(p, R, K);
   thread_local std::vector<float> partial;  // [count][R][16]

@@ -15,8 +15,10 @@
 //     the 0.8B's int4 decode read 37% of the machine's bandwidth.)
 // Each lane's int32 dot (int8: 4 columns; int4: 8; of one group) is converted to fp32 once per chunk and
 // multiplied by its group's scale_x x scale_w; the 16 lanes are summed at the end. This needs every lane
-// inside one group: a group that is a multiple of 8 (the default 32 is). Other groups, and builds without
-// AVX512-VNNI (the portable one), compute the same scheme with plain loops, group by group.
+// inside one group: a group that is a multiple of 8 (the default 32 is). Builds with AVX2 but not AVX-512
+// run an AVX2 kernel (vpmaddubsw, 32 columns a step: linear_int.cpp int_block_avx2) where the group and K are
+// multiples of 32. Other groups, and other builds (the portable one), compute the same scheme with plain
+// loops, group by group.
 #pragma once
 
 #include <algorithm>
