@@ -1,9 +1,10 @@
 """Activation quantization (activation_quantization = "int8", deltaserve/ops/activation_quant.py): the C++
-integer kernel (deltaserve/ops/csrc/linear_int.h; VNNI lanes where the group is a multiple of 8; in AVX2 builds,
-steps of 32 columns where the group and K are multiples of 32; plain loops otherwise and in the portable build) against the scheme's reference, in every row count the engine runs
-(decode, verify rows, batched steps, prompt chunks), with partial groups, odd K and K not a multiple of 64,
-parts of several formats in one projection, the fused argmax and the sparse-MoE MLP; the Python modules'
-forward against the same reference; and the setting's checks."""
+integer kernel (deltaserve/ops/csrc/linear_int.h; VNNI lanes where the group is a multiple of 8; in AVX2
+builds, steps of 32 columns where the group and K are multiples of 32; plain loops otherwise and in the
+portable build) against the scheme's reference, in every row count the engine runs (decode, verify rows,
+batched steps, prompt chunks), with partial groups, odd K and K not a multiple of 64, parts of several formats
+in one projection, the fused argmax and the sparse-MoE MLP; the Python modules' forward against the same
+reference; and the setting's checks."""
 
 from __future__ import annotations
 

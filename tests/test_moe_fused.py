@@ -69,7 +69,9 @@ def assert_steps_match(model, ext=None, steps=STEPS, seed: int = 3) -> None:
             got_conv, got_ssm = fused_ctx.spec_states[layer]
             torch.testing.assert_close(got_conv[:, :n], conv[:, :n], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(got_ssm[:, :n], ssm[:, :n], atol=1e-4, rtol=1e-4)
-        assert_caches_equal(ref_cache, fused_cache)
+        # 3e-4: the 27B-ratio case's cached keys, after several steps through 256-wide experts, differ by up to
+        # 1.5e-4 (one value of 32768) with the AVX2 kernels' order of fp32 sums (8 lanes; 4 accumulators a row)
+        assert_caches_equal(ref_cache, fused_cache, tol=3e-4)
 
 
 def test_fused_moe_steps_match_the_python_model(model) -> None:

@@ -127,6 +127,35 @@ inline void store_sums4(const __m512* acc, int n, float* y) {
 #endif
 
 #if defined(DELTASERVE_AVX2)
+// Bytes of 8 stored values of format F.
+constexpr int64_t bytes_of_8(Format F) {
+  return F == Format::kFloat32 ? 32 : F == Format::kBFloat16 ? 16 : F == Format::kInt4 ? 4 : 8;
+}
+
+// The scales of one weight row for the AVX2 kernels' 8-input steps, taken in order along K: one broadcast per
+// group (a group that is a multiple of 8), else lane by lane.
+template <Format F>
+struct RowScales8 {
+  const WeightPart* p = nullptr;
+  const void* scales = nullptr;
+  int64_t row = 0;
+  int64_t left = 0, g = 0;
+  __m256 s = _mm256_setzero_ps();
+
+  // the scales of inputs k0 .. k0 + 8 (k0 the next step's)
+  __m256 at(int64_t k0) {
+    if constexpr (quantized(F)) {
+      if (p->group % 8 != 0) {
+        s = scales8(*p, scales, row, k0);
+      } else if (left-- == 0) {
+        s = _mm256_set1_ps(scale_by_index(*p, scales, row * p->groups + g));
+        ++g, left = p->group / 8 - 1;
+      }
+    }
+    return s;
+  }
+};
+
 // dot_block for AVX2 (16 registers of 8 fp32): y[r * ldy + j] = x[r] . w[row0 + j] for r < R, j < NO, the K
 // loop outside, each 8 weights widened once and multiplied into all R rows' accumulators (lane i of one
 // summing inputs i, i + 8, ... in order), reduced at the end; K's last K % 8 inputs widened by widen_scalar.
@@ -144,27 +173,17 @@ void dot_block_avx2(const WeightPart& p, int64_t row0, const float* x, int64_t K
   const uint8_t* rows[NO];
   DS_UNROLL
   for (int j = 0; j < NO; ++j) rows[j] = data + (row0 + j) * p.row_bytes;
-  __m256 s[NO];  // the scales, as dot_block's: one broadcast per group and output, else lane by lane
+  RowScales8<F> scale[NO];
+  __m256 s[NO];
   DS_UNROLL
-  for (int j = 0; j < NO; ++j) s[j] = _mm256_setzero_ps();
-  const bool per_lane = quantized(F) && p.group % 8 != 0;
-  const int64_t steps = quantized(F) && !per_lane ? p.group / 8 : 0;
-  int64_t left = 0, g = 0;
+  for (int j = 0; j < NO; ++j) scale[j] = RowScales8<F>{&p, scales, row0 + j};
   // the next block's rows prefetched into L2, once per 64-byte line, as dot_block does
-  constexpr int64_t kBytes8 = F == Format::kFloat32 ? 32 : F == Format::kBFloat16 ? 16 : F == Format::kInt4 ? 4 : 8;
+  constexpr int64_t kBytes8 = bytes_of_8(F);
   const int64_t ahead = NO * p.row_bytes;
   int64_t k0 = 0;
   for (; k0 + 8 <= K; k0 += 8) {
-    if constexpr (quantized(F)) {
-      if (per_lane) {
-        DS_UNROLL
-        for (int j = 0; j < NO; ++j) s[j] = scales8(p, scales, row0 + j, k0);
-      } else if (left-- == 0) {
-        DS_UNROLL
-        for (int j = 0; j < NO; ++j) s[j] = _mm256_set1_ps(scale_by_index(p, scales, (row0 + j) * p.groups + g));
-        ++g, left = steps - 1;
-      }
-    }
+    DS_UNROLL
+    for (int j = 0; j < NO; ++j) s[j] = scale[j].at(k0);
     if (((k0 * kBytes8 / 8) & 63) == 0) {
       DS_UNROLL
       for (int j = 0; j < NO; ++j) {
@@ -201,9 +220,7 @@ void dot_block_avx2(const WeightPart& p, int64_t row0, const float* x, int64_t K
     for (int j = 0; j < NO; ++j) y[r * ldy + j] = sum8(acc[r][j]);
   }
 }
-#endif
 
-#if defined(DELTASERVE_AVX2)
 // Weight rows of up to this many bytes are read one after another by dot_row_avx2 (one sequential stream)
 // rather than NO interleaved by dot_block_avx2.
 constexpr int64_t kSequentialRowBytes = 4096;
@@ -223,21 +240,8 @@ void dot_row_avx2(const WeightPart& p, int64_t row, const float* x, int64_t K, f
     DS_UNROLL
     for (int a = 0; a < 4; ++a) acc[r][a] = _mm256_setzero_ps();
   }
-  const bool per_lane = quantized(F) && p.group % 8 != 0;
-  const int64_t steps = quantized(F) && !per_lane ? p.group / 8 : 0;
-  int64_t left = 0, g = 0;
-  __m256 s = _mm256_setzero_ps();
-  const auto next_scale = [&](int64_t k0) {
-    if constexpr (quantized(F)) {
-      if (per_lane) {
-        s = scales8(p, scales, row, k0);
-      } else if (left-- == 0) {
-        s = _mm256_set1_ps(scale_by_index(p, scales, row * p.groups + g));
-        ++g, left = steps - 1;
-      }
-    }
-  };
-  constexpr int64_t kBytes8 = F == Format::kFloat32 ? 32 : F == Format::kBFloat16 ? 16 : F == Format::kInt4 ? 4 : 8;
+  RowScales8<F> scale{&p, scales, row};
+  constexpr int64_t kBytes8 = bytes_of_8(F);
   int64_t k0 = 0;
   for (; k0 + 32 <= K; k0 += 32) {
     const int64_t at = k0 * kBytes8 / 8;  // this step's first byte: a step is 4 x kBytes8 bytes, each line once
@@ -246,16 +250,14 @@ void dot_row_avx2(const WeightPart& p, int64_t row, const float* x, int64_t K, f
     }
     DS_UNROLL
     for (int a = 0; a < 4; ++a) {
-      next_scale(k0 + 8 * a);
-      const __m256 wv = widen8<F>(w, k0 + 8 * a, s);
+      const __m256 wv = widen8<F>(w, k0 + 8 * a, scale.at(k0 + 8 * a));
       DS_UNROLL
       for (int r = 0; r < R; ++r) acc[r][a] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k0 + 8 * a), wv, acc[r][a]);
     }
   }
   for (int a = 0; k0 < K; k0 += 8, ++a) {  // K's last steps (the very last one partial: zeros past K)
     if (k0 + 8 <= K) {
-      next_scale(k0);
-      const __m256 wv = widen8<F>(w, k0, s);
+      const __m256 wv = widen8<F>(w, k0, scale.at(k0));
       for (int r = 0; r < R; ++r) acc[r][a] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k0), wv, acc[r][a]);
       continue;
     }
