@@ -142,6 +142,24 @@ def test_greedy_speculation_is_token_for_token_plain_greedy(agreeable: Path, gre
     _all_free(llm.engine)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_int_weights_greedy_speculation_is_plain_greedy(agreeable: Path, quantization: str) -> None:
+    """int8 / int4 weights (int8 activations), batched: greedy speculation is plain greedy token for token. A
+    verify step's 8 x (1 + k) rows and a plain step's 8 may sum a row's float products in different orders (a
+    near-tie of two logits could then part them); the AVX2 builds' integer kernels do not: their rows are the
+    same bits in any number of rows (tests/test_int8_activations.py)."""
+    prompts = _prompts(8, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    kwargs = dict(model=str(agreeable), quantization=quantization, max_model_len=256, max_num_batched_tokens=64,
+                  max_num_seqs=8)
+    want = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(**kwargs, speculative_config=spec(4))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    stats = llm.engine.stats().spec
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, "both acceptance and rejection"
+
+
 @pytest.mark.parametrize("costs", [MEMORY_BOUND, COMPUTE_BOUND, None],
                          ids=["memory-bound", "compute-bound", "measured"])
 def test_adaptive_speculation_is_token_for_token_plain_greedy(agreeable: Path, greedy_case, costs) -> None:

@@ -1,5 +1,6 @@
 """The tile kernels of int8-activation projections at batched-step and prompt-chunk row counts, AMX-INT8
-(deltaserve/ops/csrc/linear_amx.h) and AVX512-VNNI tiles (linear_vnni.h), each against the scheme's reference
+(deltaserve/ops/csrc/linear_amx.h) and AVX512-VNNI tiles (linear_vnni.h; in AVX2 builds, the same register tiles
+summed by vpmaddubsw: linear_avx2_tiles.cpp, "vnni" here too), each against the scheme's reference
 (deltaserve/ops/activation_quant.py), through the entry the engine uses: rows not a multiple of the kernel's
 row tiles, outputs not a multiple of 16, partial last groups, groups 32 / 64 / 128 and others, int8 and int4
 weights; each test checks that the kernel ran (its panel counter), so none passes by falling back. Then whole

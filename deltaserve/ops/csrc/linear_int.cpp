@@ -78,14 +78,18 @@ constexpr bool kAvx2 = true;
 constexpr bool kAvx2 = false;
 #endif
 
-// Whether the AVX2 integer kernel (int_block_avx2) takes parts of this group and K.
-inline bool avx2_int_kernel_takes(int64_t group, int64_t K) { return group % 32 == 0 && K % 32 == 0; }
+// Whether the AVX2 integer kernel (int_block_avx2) takes parts of this format, group and K (in AVX2 builds the
+// register tiles take the others, at any number of rows).
+inline bool avx2_int_kernel_takes(Format f, int64_t group, int64_t K) {
+  if (f == Format::kInt8) return group % 32 == 0 && K % 32 == 0;
+  return (group == 32 || group % 64 == 0) && K % 64 == 0;
+}
 
-// T plain int4 rows of q put in the AVX2 layout (QuantizedRows::avx2): each 32 columns' even ones, then
+// T plain int4 rows of q put in the AVX2 layout (QuantizedRows::avx2): each 64 columns' even ones, then
 // their odd ones, and each group's bias.
 void split_int4_rows(QuantizedRows& q, int64_t T) {
   q.bias.resize(T * q.groups);
-  int8_t step[32];
+  int8_t step[64];
   for (int64_t t = 0; t < T; ++t) {
     int8_t* row = reinterpret_cast<int8_t*>(q.bytes.data()) + t * q.K;
     for (int64_t g = 0; g < q.groups; ++g) {
@@ -93,8 +97,8 @@ void split_int4_rows(QuantizedRows& q, int64_t T) {
       for (int64_t k = g * q.group; k < std::min(q.K, (g + 1) * q.group); ++k) sum += row[k];
       q.bias[t * q.groups + g] = -8 * sum;
     }
-    for (int64_t k0 = 0; k0 < q.K; k0 += 32) {
-      for (int i = 0; i < 32; ++i) step[(i % 2) * 16 + i / 2] = row[k0 + i];
+    for (int64_t k0 = 0; k0 < q.K; k0 += 64) {
+      for (int i = 0; i < 64; ++i) step[(i % 2) * 32 + i / 2] = row[k0 + i];
       std::memcpy(row + k0, step, sizeof(step));
     }
   }
@@ -113,7 +117,7 @@ int64_t lane_byte(Format f, int64_t i) { return f == Format::kInt8 ? i : (i % 2)
 void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
   q.lanes = kVnni && group % 8 == 0;
-  q.avx2 = kAvx2 && avx2_int_kernel_takes(group, K);
+  q.avx2 = kAvx2 && avx2_int_kernel_takes(f, group, K);
   q.tiles = false, q.plus128 = false, q.ld = 0;
   const int64_t cols = chunk_columns(f);
   q.chunks = (K + cols - 1) / cols;
@@ -345,41 +349,36 @@ void int_part(const WeightPart& p, int64_t row0, int64_t count, const QuantizedR
 #endif
 
 #if defined(DELTASERVE_AVX2)
-// The AVX2 kernel (no VNNI), over the AVX2 layout (QuantizedRows::avx2), 32 columns a step, each step's
-// products summed by vpmaddubsw (u8 x s8, two products per int16) and vpmaddwd by ones into 8 int32 lanes of
-// 4 columns:
-//   - int8 weights: |q_w| (u8) times q_x carrying q_w's sign (vpsignb); a pair of products is at most
-//     2 x 127 x 127, so the int16 never saturates (q_x and q_w lie in [-127, 127]).
-//   - int4 weights: the stored nibbles q_w + 8 (u8: 16 bytes' low nibbles, the even columns, then their high
-//     ones, the odd columns, as x is laid out) times q_x; the group's -8 x sum(q_x) (bias) is added once.
-// A group's lanes add up in int32; once per group they are converted to fp32 and multiplied by s_x x s_w into
-// the 8 fp32 lanes, which are summed at the end.
+// The AVX2 kernel (no VNNI), over the AVX2 layout (QuantizedRows::avx2), each step's products summed by
+// vpmaddubsw (u8 x s8, two products per int16) and vpmaddwd by ones into 8 int32 lanes:
+//   - int8 weights, 32 columns a step: |q_w| (u8) times q_x carrying q_w's sign (vpsignb); a pair of products
+//     is at most 2 x 127 x 127, so the int16 never saturates (q_x and q_w lie in [-127, 127]).
+//   - int4 weights, 64 columns a step (32 weight bytes): the stored nibbles q_w + 8 (u8: the low nibbles, the
+//     even columns, and the high ones, the odd columns, as x is laid out) times q_x, the two products' int16
+//     sums added (at most 4 x 15 x 127); the group's -8 x sum(q_x) (bias) is added once. A step's first 32
+//     columns land in the low 128 bits, its last 32 in the high ones: groups of 32 are the two halves.
+// A group's lanes add up in int32, and its 8 lanes into the group's exact dot; each (row, output)'s dot is
+// converted to fp32 and added times s_x x s_w (one fma, groups in order), as the AVX2 register tiles do for more
+// rows (linear_avx2_tiles.cpp): a row's outputs are the same bits whatever the number of rows in the call, so
+// that a speculative verify step scores its rows as a one-row decode step would.
 
-// One weight row's step of 32 columns as vpmaddubsw's u8 operand (int8: |q_w|; int4: q_w + 8), and int8's
-// signs.
+// Columns of x per step.
 template <Format F>
-struct WeightStep {
-  __m256i u, sign;
-};
+constexpr int64_t kAvx2Step = F == Format::kInt8 ? 32 : 64;
 
-template <Format F>
-inline WeightStep<F> weight_step(const uint8_t* row, int64_t k0) {
-  if constexpr (F == Format::kInt8) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k0));
-    return {_mm256_abs_epi8(w), w};
-  } else {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2));
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    const __m128i even = _mm_and_si128(b, nibble), odd = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
-    return {_mm256_set_m128i(odd, even), _mm256_setzero_si256()};
-  }
+// The 8 int32 lanes of each of v[0..3] summed within each 128-bit half: {sum(v[0]), .., sum(v[3])} of the low
+// halves in the low half of the result, of the high halves in the high half (exact).
+inline __m256i half_totals4(const __m256i v[4]) {
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
 }
 
 // R rows of q (from t0) times NO consecutive weight rows of part p (from local row row0): each step's weights
-// loaded once for all R rows.
+// loaded once for all R rows. R x NO is at most 4: the (row, output) pairs share one vector of sums, pair
+// r x NO + j in lane r x NO + j.
 template <Format F, int NO, int R>
 void int_block_avx2(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_t t0, float* y, int64_t ldy) {
-  const int64_t K = p.K, G = p.groups;
+  static_assert(R * NO <= 4, "one vector of 4 sums");
+  const int64_t K = p.K, G = p.groups, group = p.group;
   const uint8_t* rows[NO];
   const uint16_t* srows[NO];
   for (int j = 0; j < NO; ++j) {
@@ -392,47 +391,65 @@ void int_block_avx2(const WeightPart& p, int64_t row0, const QuantizedRows& q, i
     xr[r] = reinterpret_cast<const int8_t*>(q.bytes.data()) + (t0 + r) * K;
     sx[r] = q.scales.data() + (t0 + r) * G;
   }
-  __m256 acc[R][NO];
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < NO; ++j) acc[r][j] = _mm256_setzero_ps();
-  }
-  const __m256i ones = _mm256_set1_epi16(1);
-  // the next block's rows prefetched into L2 a line at a time, as int_block does
-  const int64_t ahead = NO * p.row_bytes, step_bytes = F == Format::kInt8 ? 32 : 16;
-  for (int64_t g = 0, k0 = 0; g < G; ++g) {
-    __m256i dots[R][NO];
+  __m128 acc = _mm_setzero_ps();
+  // group g's exact dots of the 4 pairs (0 past R x NO) into acc
+  const auto add_group = [&](int64_t g, __m128i total) {
+    float xs[4] = {}, ws[4] = {};
+    int32_t bias[4] = {};
     for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < NO; ++j) dots[r][j] = _mm256_setzero_si256();
-    }
-    for (const int64_t k_end = std::min(K, k0 + p.group); k0 < k_end; k0 += 32) {  // (the last group may be short)
-      const int64_t at = k0 / 32 * step_bytes;
-      if ((at & 63) == 0) {
-        for (int j = 0; j < NO; ++j) _mm_prefetch(reinterpret_cast<const char*>(rows[j] + at + ahead), _MM_HINT_T1);
-      }
       for (int j = 0; j < NO; ++j) {
-        const WeightStep<F> w = weight_step<F>(rows[j], k0);
-        for (int r = 0; r < R; ++r) {
-          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + k0));
-          if constexpr (F == Format::kInt8) xv = _mm256_sign_epi8(xv, w.sign);
-          dots[r][j] = _mm256_add_epi32(dots[r][j], _mm256_madd_epi16(_mm256_maddubs_epi16(w.u, xv), ones));
-        }
+        xs[r * NO + j] = sx[r][g], ws[r * NO + j] = bf16_to_float(srows[j][g]);
+        if constexpr (F == Format::kInt4) bias[r * NO + j] = q.bias[(t0 + r) * G + g];
       }
     }
-    if constexpr (F == Format::kInt4) {
-      for (int r = 0; r < R; ++r) {
-        const __m256i bias = _mm256_setr_epi32(q.bias[(t0 + r) * G + g], 0, 0, 0, 0, 0, 0, 0);
-        for (int j = 0; j < NO; ++j) dots[r][j] = _mm256_add_epi32(dots[r][j], bias);
-      }
+    // (built in registers: four scalar stores read back as one vector would stall store forwarding)
+    if constexpr (F == Format::kInt4) total = _mm_add_epi32(total, _mm_setr_epi32(bias[0], bias[1], bias[2], bias[3]));
+    const __m128 scale = _mm_mul_ps(_mm_setr_ps(xs[0], xs[1], xs[2], xs[3]), _mm_setr_ps(ws[0], ws[1], ws[2], ws[3]));
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(total), scale, acc);
+  };
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
+  // the next block's rows prefetched into L2 a line at a time, as int_block does
+  const int64_t ahead = NO * p.row_bytes;
+  __m256i dots[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                     _mm256_setzero_si256()};
+  for (int64_t k0 = 0; k0 < K; k0 += kAvx2Step<F>) {
+    const int64_t at = k0 / kAvx2Step<F> * 32;  // (a step reads 32 bytes of each weight row)
+    if ((at & 63) == 0) {
+      for (int j = 0; j < NO; ++j) _mm_prefetch(reinterpret_cast<const char*>(rows[j] + at + ahead), _MM_HINT_T1);
     }
     for (int j = 0; j < NO; ++j) {
-      const float sw = bf16_to_float(srows[j][g]);
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + at));
       for (int r = 0; r < R; ++r) {
-        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][j]), _mm256_set1_ps(sx[r][g] * sw), acc[r][j]);
+        __m256i products;
+        if constexpr (F == Format::kInt8) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + k0));
+          products = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
+        } else {
+          const __m256i even = _mm256_and_si256(w, nibble), odd = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+          const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + k0));
+          const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + k0 + 32));
+          products = _mm256_add_epi16(_mm256_maddubs_epi16(even, xe), _mm256_maddubs_epi16(odd, xo));
+        }
+        dots[r * NO + j] = _mm256_add_epi32(dots[r * NO + j], _mm256_madd_epi16(products, ones));
       }
     }
+    const int64_t k1 = k0 + kAvx2Step<F>;
+    if (F == Format::kInt4 && group == 32) {  // the two halves are groups k0 / 32 and k0 / 32 + 1
+      const __m256i h = half_totals4(dots);
+      add_group(k0 / 32, _mm256_castsi256_si128(h));
+      add_group(k0 / 32 + 1, _mm256_extracti128_si256(h, 1));
+    } else if (k1 % group == 0 || k1 >= K) {  // the end of a group (the last may be short)
+      const __m256i h = half_totals4(dots);
+      add_group(k0 / group, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+    } else {
+      continue;
+    }
+    for (__m256i& d : dots) d = _mm256_setzero_si256();
   }
+  alignas(16) float out[4];
+  _mm_store_ps(out, acc);
   for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < NO; ++j) y[r * ldy + j] = sum8(acc[r][j]);
+    for (int j = 0; j < NO; ++j) y[r * ldy + j] = out[r * NO + j];
   }
 }
 
@@ -485,6 +502,7 @@ void dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t gro
 
 // The tile layout (AMX, VNNI tiles; linear_int.h QuantizedRows): each row's q_x at stride ld = groups x group,
 // zeros past K and in the kTileSlack rows past T; plus128: every byte of the T rows + 128 (q_x = 0 past K).
+// AVX2 builds' tiles read int4 rows' group biases too (linear_avx2_tiles.cpp).
 void tiles_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, bool plus128, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
   q.lanes = false, q.avx2 = false, q.tiles = true, q.plus128 = plus128, q.chunks = 0, q.ld = q.groups * group;
@@ -495,6 +513,13 @@ void tiles_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, bo
     uint8_t* row = q.bytes.data() + t * q.ld;
     quantize_row(x + t * K, K, group, reinterpret_cast<int8_t*>(row), q.scales.data() + t * q.groups);
     for (int64_t k = 0; plus128 && k < q.ld; ++k) row[k] ^= 0x80;  // two's complement + 128
+  }
+  if (kAvx2 && f == Format::kInt4) {
+    q.bias.assign(T * q.groups, 0);
+    for (int64_t t = 0; t < T; ++t) {
+      const int8_t* row = reinterpret_cast<const int8_t*>(q.bytes.data()) + t * q.ld;
+      for (int64_t k = 0; k < q.ld; ++k) q.bias[t * q.groups + k / group] -= 8 * row[k];
+    }
   }
 }
 
@@ -513,8 +538,8 @@ void quantize_activations_into(std::initializer_list<const Linear*> ls, const fl
       QuantizedRows& q = a.layouts[n++];
       if (tiles && T >= amx_min_rows() && amx_step(p.group) > 0 && amx_ready()) {
         tiles_for(x, T, l->K, p.format, p.group, false, q);
-      } else if (tiles && vnni_tiles_take(T, p.group)) {
-        tiles_for(x, T, l->K, p.format, p.group, true, q);
+      } else if (tiles && vnni_tiles_take(T, p.group, kAvx2 && !avx2_int_kernel_takes(p.format, p.group, l->K))) {
+        tiles_for(x, T, l->K, p.format, p.group, !kAvx2, q);  // (AVX2's tiles read signed bytes)
       } else if (T > kIntKernelRows) {
         dequantized_for(x, T, l->K, p.format, p.group, q);
       } else {
@@ -581,6 +606,13 @@ void int_panel(const Linear& l, const ActivationRows& a, const float* x, int64_t
 #if defined(DELTASERVE_VNNI_TILES)
       if (q.tiles && q.plus128) {  // a prompt chunk where the VNNI tiles run
         vnni_part(p, n - l.starts[i], count, q, r0, r1 - r0, y, ldo);
+        n += count;
+        continue;
+      }
+#endif
+#if defined(DELTASERVE_AVX2_TILES)
+      if (q.tiles) {  // a prompt chunk or a batched step on an AVX2 build
+        avx2_tile_part(p, n - l.starts[i], count, q, r0, r1 - r0, y, ldo);
         n += count;
         continue;
       }

@@ -57,23 +57,25 @@ struct QuantizedRows {
   std::vector<float> scales;
   std::vector<int32_t> bias, lane_group;
   int64_t span = 1;
-  // avx2: the AVX2 kernel's layout (builds with AVX2 but not AVX-512; groups and K multiples of 32): plain,
-  // except that int4 rows hold each 32 columns' 16 even ones, then their 16 odd ones (the order of the low and
-  // high nibbles of 16 weight bytes), and bias [T, groups] = -8 x the group's sum of q_x.
+  // avx2: the AVX2 kernel's layout (builds with AVX2 but not AVX-512; the groups and K it takes:
+  // linear_int.cpp avx2_int_kernel_takes): plain, except that int4 rows hold each 64 columns' 32 even ones, then
+  // their 32 odd ones (the order of the low and high nibbles of 32 weight bytes), and bias [T, groups] = -8 x
+  // the group's sum of q_x.
   bool avx2 = false;
   // Prompt chunks (more than kIntKernelRows rows): x~ = q_x * s_x [T, K] instead, for the packed float kernel.
   std::vector<float> values;
   // kAmxRows rows or more where AMX runs (linear_amx.h): the tile layout, bytes
   // [T + kTileSlack, ld] q_x (ld = groups x group; the last group's columns past K and the rows past T are 0)
   // and scales [T + kTileSlack, groups].
-  // Where the VNNI tiles run instead (linear_vnni.h), the same layout with each byte q_x + 128 (plus128).
+  // Where the VNNI tiles run instead (linear_vnni.h), the same layout with each byte q_x + 128 (plus128); where
+  // the AVX2 tiles run (linear_avx2_tiles.cpp), q_x itself and, for int4, bias [T, groups] as above.
   bool tiles = false, plus128 = false;
   int64_t ld = 0;
 };
 
 // From kAmxRows rows on (batched steps and prompt chunks), where AMX runs and the group allows it, an
 // int8-activation part runs the AMX kernel (linear_amx.h); where AMX does not run, from kVnniTileRows rows on,
-// the VNNI tiles (linear_vnni.h) if the build has them; otherwise, past this many rows, the packed fp32
+// the VNNI or AVX2 tiles (linear_vnni.h) if the build has them; otherwise, past this many rows, the packed fp32
 // kernel on x~ = q_x * s_x (what the
 // Python model computes: the same sum up to fp32 rounding) instead of the integer kernel, whose 4 x 2 blocks
 // are compute-bound. Measured on the 0.8B gate_up (7168 x 1024), 1 thread, integer kernel against packed:

@@ -22,7 +22,7 @@ std::atomic<int64_t> min_rows{kVnniTileRows};
 }  // namespace
 
 bool vnni_tiles_supported() {
-#if defined(DELTASERVE_VNNI_TILES)
+#if defined(DELTASERVE_VNNI_TILES) || defined(DELTASERVE_AVX2_TILES)
   return true;
 #else
   return false;
@@ -34,6 +34,8 @@ bool vnni_tiles_ready() { return enabled.load(std::memory_order_relaxed) && vnni
 bool set_vnni_tiles_enabled(bool on) { return enabled.exchange(on); }
 
 int64_t vnni_tile_panels() { return panels.load(std::memory_order_relaxed); }
+
+void count_int_tile_panel() { panels.fetch_add(1, std::memory_order_relaxed); }
 
 int64_t vnni_tile_min_rows() { return min_rows.load(std::memory_order_relaxed); }
 
@@ -102,7 +104,7 @@ inline __mmask16 outputs_mask(int64_t n) {
 
 void vnni_part(const WeightPart& p, int64_t row0, int64_t count, const QuantizedRows& q, int64_t t0, int64_t T,
                float* y, int64_t ldy) {
-  panels.fetch_add(1, std::memory_order_relaxed);
+  count_int_tile_panel();
   const int64_t ld = q.ld, G = p.groups;
   thread_local std::vector<int8_t> b;
   thread_local std::vector<float> sw;
