@@ -438,7 +438,8 @@ ATTN_SEQS = [(1, 1), (1, 16), (1, 37), (1, 50), (3, 41), (20, 37), (18, 18)]
 
 @pytest.mark.parametrize("nh, nkv, hd, block_size", [
     (8, 2, 64, 16), (6, 1, 32, 16), (8, 1, 64, 16), (3, 3, 48, 16), (12, 1, 16, 16), (4, 2, 16, 8),
-], ids=["group-4", "group-6", "group-8", "group-1-hd48", "group-12", "block-8"])
+    (4, 2, 40, 16),
+], ids=["group-4", "group-6", "group-8", "group-1-hd48", "group-12", "block-8", "group-2-hd40"])
 @pytest.mark.parametrize("prompts", ["loop", "torch-kernel"])
 @pytest.mark.parametrize("kv", ["fp32", "fp8"])
 def test_paged_attention_matches_the_ops_reference(ext, nh: int, nkv: int, hd: int, block_size: int,

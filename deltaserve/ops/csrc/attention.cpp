@@ -25,6 +25,10 @@ inline float load1(uint8_t code) { return widen_fp8(code); }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint8_t* p) { return widen_fp8x16(p); }
 #endif
+#if defined(DELTASERVE_AVX2)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint8_t* p) { return widen_fp8x8(p); }
+#endif
 
 // The attention loop reads the KV cache block by block, each block its own pages where the hardware
 // prefetcher starts cold; while it computes one block of a sequence's first token it asks for the keys and
@@ -36,7 +40,7 @@ constexpr int64_t kBlocksAhead = 2;
 #if defined(__AVX512F__)
 // The register-tiled forms of block_scores and probs_times_v below, for a group of G <= 8 query heads per
 // KV head known at compile time (a runtime G left the accumulators on the stack, each FMA waiting on a
-// store). Larger groups, and machines without AVX-512, take the plain loops.
+// store). Larger groups take the plain loops; AVX2 builds the 8-lane forms below.
 // An fp8 block's scores are also multiplied by its keys' row scales, row_scale [16] (null for fp32).
 template <int G, typename KV>
 inline void block_scores_tile(const float* q0, int64_t q_stride, const KV* kt, const KV* ahead_k,
@@ -93,6 +97,73 @@ inline void probs_times_v_group(const float* probs, int64_t L, const KV* v_base,
 }
 #endif
 
+#if defined(DELTASERVE_AVX2)
+// The AVX2 forms of the two tiles above (8 lanes, 16 registers): a block's 16 scores of each head in two
+// registers, so G <= 6 (2G accumulators, the two key vectors and the broadcast query); C x 8 output dims of
+// all G heads per pass, G x C accumulators and C value registers.
+template <int G, typename KV>
+inline void block_scores_tile8(const float* q0, int64_t q_stride, const KV* kt, const KV* ahead_k,
+                               const KV* ahead_v, int64_t hd, float scale, const float* row_scale, float* out,
+                               int64_t ld, int64_t n) {
+  __m256 lo[G], hi[G];
+  for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < hd; ++e) {
+    if (ahead_k != nullptr && (sizeof(KV) == 4 || e % 4 == 0)) {  // as block_scores_tile asks ahead
+      __builtin_prefetch(ahead_k + e * 16, 0, 1);
+      __builtin_prefetch(ahead_v + e * 16, 0, 1);
+    }
+    const __m256 k0 = load8(kt + e * 16), k1 = load8(kt + e * 16 + 8);
+    for (int g = 0; g < G; ++g) {
+      const __m256 q = _mm256_set1_ps(q0[g * q_stride + e]);
+      lo[g] = _mm256_fmadd_ps(q, k0, lo[g]);
+      hi[g] = _mm256_fmadd_ps(q, k1, hi[g]);
+    }
+  }
+  __m256 s0 = _mm256_set1_ps(scale), s1 = s0;
+  if (row_scale != nullptr) {  // (a block's 16 scales are always there)
+    s0 = _mm256_mul_ps(s0, _mm256_loadu_ps(row_scale));
+    s1 = _mm256_mul_ps(s1, _mm256_loadu_ps(row_scale + 8));
+  }
+  for (int g = 0; g < G; ++g) {
+    alignas(32) float scores[16];
+    _mm256_store_ps(scores, _mm256_mul_ps(lo[g], s0));
+    _mm256_store_ps(scores + 8, _mm256_mul_ps(hi[g], s1));
+    std::memcpy(out + g * ld, scores, n * sizeof(float));
+  }
+}
+
+template <int G, int C, typename KV>
+inline void probs_times_v_tile8(const float* probs, int64_t L, const KV* v_base, const int64_t* rows, int64_t hd,
+                                float* out) {
+  for (int64_t e0 = 0; e0 < hd; e0 += 8 * C) {
+    __m256 acc[G][C];
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
+    }
+    for (int64_t j = 0; j < L; ++j) {
+      const KV* row = v_base + rows[j] + e0;
+      __m256 v[C];
+      for (int c = 0; c < C; ++c) v[c] = load8(row + 8 * c);
+      for (int g = 0; g < G; ++g) {
+        const __m256 p = _mm256_set1_ps(probs[g * L + j]);
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm256_fmadd_ps(p, v[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + g * hd + e0 + 8 * c, acc[g][c]);
+    }
+  }
+}
+
+template <int G, typename KV>
+inline void probs_times_v_group8(const float* probs, int64_t L, const KV* v_base, const int64_t* rows, int64_t hd,
+                                 float* out) {
+  constexpr int kWide = G <= 3 ? 3 : G <= 6 ? 2 : 1;
+  if (hd % (8 * kWide) == 0) return probs_times_v_tile8<G, kWide>(probs, L, v_base, rows, hd, out);
+  probs_times_v_tile8<G, 1>(probs, L, v_base, rows, hd, out);
+}
+#endif
+
 // Scores of the G query heads of one KV head (head g's query at q0 + g * q_stride) against one cache block
 // of keys, kt [hd, block_size] (transposed: a dim's keys are contiguous): out[g * ld + l] = scale * q_g . k_l
 // for the first n offsets l. A block of 16 keeps every head's 16 scores in a register while the dims stream.
@@ -108,6 +179,17 @@ inline void block_scores(const float* q0, int64_t q_stride, int64_t G, const KV*
     switch (G) {
       DELTASERVE_TILE(1); DELTASERVE_TILE(2); DELTASERVE_TILE(3); DELTASERVE_TILE(4);
       DELTASERVE_TILE(5); DELTASERVE_TILE(6); DELTASERVE_TILE(7); DELTASERVE_TILE(8);
+      default: break;
+    }
+#undef DELTASERVE_TILE
+  }
+#elif defined(DELTASERVE_AVX2)
+  if (block_size == 16) {
+#define DELTASERVE_TILE(g) \
+  case g: return block_scores_tile8<g>(q0, q_stride, kt, ahead_k, ahead_v, hd, scale, row_scale, out, ld, n)
+    switch (G) {
+      DELTASERVE_TILE(1); DELTASERVE_TILE(2); DELTASERVE_TILE(3); DELTASERVE_TILE(4);
+      DELTASERVE_TILE(5); DELTASERVE_TILE(6);
       default: break;
     }
 #undef DELTASERVE_TILE
@@ -131,6 +213,16 @@ inline void probs_times_v(const float* probs, int64_t L, int64_t G, const KV* v_
 #if defined(__AVX512F__)
   if (hd % 16 == 0) {
 #define DELTASERVE_GROUP(g) case g: return probs_times_v_group<g>(probs, L, v_base, rows, hd, out)
+    switch (G) {
+      DELTASERVE_GROUP(1); DELTASERVE_GROUP(2); DELTASERVE_GROUP(3); DELTASERVE_GROUP(4);
+      DELTASERVE_GROUP(5); DELTASERVE_GROUP(6); DELTASERVE_GROUP(7); DELTASERVE_GROUP(8);
+      default: break;
+    }
+#undef DELTASERVE_GROUP
+  }
+#elif defined(DELTASERVE_AVX2)
+  if (hd % 8 == 0) {
+#define DELTASERVE_GROUP(g) case g: return probs_times_v_group8<g>(probs, L, v_base, rows, hd, out)
     switch (G) {
       DELTASERVE_GROUP(1); DELTASERVE_GROUP(2); DELTASERVE_GROUP(3); DELTASERVE_GROUP(4);
       DELTASERVE_GROUP(5); DELTASERVE_GROUP(6); DELTASERVE_GROUP(7); DELTASERVE_GROUP(8);

@@ -18,6 +18,7 @@ namespace {
 // sk = S^T k and sq = S^T q for one head's recurrent state S [dk, dv], in one read of S.
 #if defined(__AVX512F__)
 // N x 16 value dims at a time: 2N accumulators stay in registers while the dk rows stream by.
+constexpr int64_t kStateLanes = 16;  // value dims per vector
 template <int N>
 inline void state_times_kq_block(const float* S, int64_t dk, int64_t dv, const float* k, const float* q,
                                  float* sk, float* sq) {
@@ -36,14 +37,35 @@ inline void state_times_kq_block(const float* S, int64_t dk, int64_t dv, const f
     _mm512_storeu_ps(sq + 16 * c, aq[c]);
   }
 }
+#elif defined(DELTASERVE_AVX2)
+// The AVX2 form: N x 8 value dims at a time (2N accumulators of the 16 registers).
+constexpr int64_t kStateLanes = 8;
+template <int N>
+inline void state_times_kq_block(const float* S, int64_t dk, int64_t dv, const float* k, const float* q,
+                                 float* sk, float* sq) {
+  __m256 ak[N], aq[N];
+  for (int c = 0; c < N; ++c) ak[c] = aq[c] = _mm256_setzero_ps();
+  for (int64_t a = 0; a < dk; ++a) {
+    const __m256 ka = _mm256_set1_ps(k[a]), qa = _mm256_set1_ps(q[a]);
+    for (int c = 0; c < N; ++c) {
+      const __m256 row = _mm256_loadu_ps(S + a * dv + 8 * c);
+      ak[c] = _mm256_fmadd_ps(row, ka, ak[c]);
+      aq[c] = _mm256_fmadd_ps(row, qa, aq[c]);
+    }
+  }
+  for (int c = 0; c < N; ++c) {
+    _mm256_storeu_ps(sk + 8 * c, ak[c]);
+    _mm256_storeu_ps(sq + 8 * c, aq[c]);
+  }
+}
 #endif
 
 inline void state_times_kq(const float* S, const float* k, const float* q, int64_t dk, int64_t dv, float* sk,
                            float* sq) {
-#if defined(__AVX512F__)
-  if (dv % 16 == 0) {
-    for (int64_t j0 = 0; j0 < dv; j0 += 64) {
-      switch (std::min<int64_t>(4, (dv - j0) / 16)) {
+#if defined(__AVX512F__) || defined(DELTASERVE_AVX2)
+  if (dv % kStateLanes == 0) {
+    for (int64_t j0 = 0; j0 < dv; j0 += 4 * kStateLanes) {
+      switch (std::min<int64_t>(4, (dv - j0) / kStateLanes)) {
         case 1: state_times_kq_block<1>(S + j0, dk, dv, k, q, sk + j0, sq + j0); break;
         case 2: state_times_kq_block<2>(S + j0, dk, dv, k, q, sk + j0, sq + j0); break;
         case 3: state_times_kq_block<3>(S + j0, dk, dv, k, q, sk + j0, sq + j0); break;
