@@ -96,6 +96,7 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
   const int64_t key_dim = d.hk * dk, value_dim = Hv * dv, rep = Hv / d.hk;
   const int64_t width = C + value_dim + 2 * Hv;  // qkv | z | b | a
   at::Tensor core = at::empty({bt.T, value_dim}, proj.options());
+  at::Tensor mixed_rows = at::empty({bt.T, C}, proj.options());  // q|k|v after the conv and the norms
   const float* pp = proj.data_ptr<float>();
   const float* cw = w.conv_w.data_ptr<float>();
   const float* neg_a = w.neg_a.data_ptr<float>();
@@ -104,44 +105,36 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
   float* conv_cache = w.conv_cache.data_ptr<float>();
   float* ssm_cache = w.ssm_cache.data_ptr<float>();
   float* out = core.data_ptr<float>();
-  const int64_t conv_size = C * (K - 1), ssm_size = Hv * dk * dv;
+  float* mixed_all = mixed_rows.data_ptr<float>();
+  const int64_t conv_size = C * (K - 1), ssm_size = Hv * dk * dv, head_size = dk * dv;
   float* spec_conv_p = bt.spec_rows ? spec_conv.data_ptr<float>() : nullptr;
   float* spec_ssm_p = bt.spec_rows ? spec_ssm.data_ptr<float>() : nullptr;
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  const int64_t tokens_per_seq = bt.T / std::max<int64_t>(bt.B, 1) + 1;
 
-  const int64_t work_per_seq = (bt.T / std::max<int64_t>(bt.B, 1) + 1) * Hv * dk * dv * 3;
-  at::parallel_for(0, bt.B, grain_for(work_per_seq), [&](int64_t b0, int64_t b1) {
-    std::vector<float> mixed(C), u(dv), sk(dv), sq(dv);
+  // First, per sequence, the conv state advancing token by token: every token's causal depthwise conv over
+  // [state | x_t], SiLU, and the L2 norms of q and k per key head (q also scaled by dk^-1/2).
+  at::parallel_for(0, bt.B, grain_for(tokens_per_seq * C * (K + 2)), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t state_slot = bt.state_slots[b], row = bt.spec_index[b];
+      const int64_t row = bt.spec_index[b];
       const bool fresh = bt.context_lens[b] == 0;
-      float* conv_slot = conv_cache + state_slot * conv_size;
-      float* ssm_slot = ssm_cache + state_slot * ssm_size;
+      float* conv_slot = conv_cache + bt.state_slots[b] * conv_size;
       const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
-      // The working state: the slot itself, or for a verify segment the per-position copy.
-      float* conv = conv_slot;
-      float* S = ssm_slot;
-      if (fresh && row < 0) {
-        std::fill(conv_slot, conv_slot + conv_size, 0.0f);
-        std::fill(ssm_slot, ssm_slot + ssm_size, 0.0f);
-      }
+      float* conv = conv_slot;  // the working state: the slot itself, or for a verify segment the per-position copy
+      if (fresh && row < 0) std::fill(conv_slot, conv_slot + conv_size, 0.0f);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t t = t0 + i;
         if (row >= 0) {  // verify: position i starts from position i-1's state (or the slot's)
           float* conv_i = spec_conv_p + (row * bt.spec_width + i) * conv_size;
-          float* S_i = spec_ssm_p + (row * bt.spec_width + i) * ssm_size;
           if (fresh && i == 0) {
             std::fill(conv_i, conv_i + conv_size, 0.0f);
-            std::fill(S_i, S_i + ssm_size, 0.0f);
           } else {
             std::memcpy(conv_i, conv, conv_size * sizeof(float));
-            std::memcpy(S_i, S, ssm_size * sizeof(float));
           }
           conv = conv_i;
-          S = S_i;
         }
         const float* xin = pp + t * width;
-        // causal depthwise conv over [state | x_t], then SiLU; the state shifts by one
+        float* mixed = mixed_all + t * C;
         if (K == 4) {  // the models' kernel size: fixed taps let this loop vectorize
 #pragma omp simd
           for (int64_t c = 0; c < C; ++c) {
@@ -165,50 +158,72 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
             mixed[c] = silu(acc);
           }
         }
-        // L2-normalise q and k per key head (q also scaled by dk^-1/2)
         for (int64_t kh = 0; kh < 2 * d.hk; ++kh) {
-          float* v = mixed.data() + kh * dk;
+          float* v = mixed + kh * dk;
           float r = 1.0f / std::sqrt(dot(v, v, dk) + 1e-6f);
           if (kh < d.hk) r *= q_scale;
 #pragma omp simd
           for (int64_t j = 0; j < dk; ++j) v[j] *= r;
         }
-        const float* z = xin + C;
-        const float* braw = xin + C + value_dim;
-        const float* araw = braw + Hv;
-        float* o_t = out + t * value_dim;
-        for (int64_t hv = 0; hv < Hv; ++hv) {
-          const float* q = mixed.data() + (hv / rep) * dk;
-          const float* k = mixed.data() + key_dim + (hv / rep) * dk;
-          const float* v = mixed.data() + 2 * key_dim + hv * dv;
-          const float beta = sigmoid(braw[hv]);
-          const float decay = std::exp(neg_a[hv] * softplus(araw[hv] + dt_bias[hv]));
-          float* Sh = S + hv * dk * dv;
-          // One read pass gives S^T k and S^T q (state_times_kq); then, with
-          //   S' = decay S + k u^T,  u = beta (v - decay S^T k),  o = S'^T q = decay S^T q + (k.q) u,
-          // one pass writes S'. (The reference decays S first; same maths, other rounding order.)
-          const float kq = dot(k, q, dk);
-          float* o = o_t + hv * dv;
-          state_times_kq(Sh, k, q, dk, dv, sk.data(), sq.data());
-#pragma omp simd
-          for (int64_t j = 0; j < dv; ++j) {
-            u[j] = beta * (v[j] - decay * sk[j]);
-            o[j] = decay * sq[j] + kq * u[j];
-          }
-          for (int64_t a = 0; a < dk; ++a) {
-            float* Sa = Sh + a * dv;
-            const float ka = k[a];
-#pragma omp simd
-            for (int64_t j = 0; j < dv; ++j) Sa[j] = Sa[j] * decay + ka * u[j];
-          }
-          gated_rms_norm_row(o, z + hv * dv, norm_w, d.eps, dv);
-        }
       }
-      if (row >= 0) {  // padding positions of a shorter verify segment keep its last state
-        for (int64_t i = n; i < bt.spec_width; ++i) {
-          std::memcpy(spec_conv_p + (row * bt.spec_width + i) * conv_size, conv, conv_size * sizeof(float));
-          std::memcpy(spec_ssm_p + (row * bt.spec_width + i) * ssm_size, S, ssm_size * sizeof(float));
+      for (int64_t i = n; row >= 0 && i < bt.spec_width; ++i) {  // padding positions keep the last state
+        std::memcpy(spec_conv_p + (row * bt.spec_width + i) * conv_size, conv, conv_size * sizeof(float));
+      }
+    }
+  });
+
+  // Then, per (sequence, value head), the gated delta rule over the sequence's tokens (the heads' states are
+  // independent: a prompt's heads are shared between threads) and the gated RMSNorm.
+  at::parallel_for(0, bt.B * Hv, grain_for(tokens_per_seq * head_size * 3), [&](int64_t i0, int64_t i1) {
+    std::vector<float> u(dv), sk(dv), sq(dv);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t b = item / Hv, hv = item % Hv;
+      const int64_t row = bt.spec_index[b];
+      const bool fresh = bt.context_lens[b] == 0;
+      float* S_slot = ssm_cache + bt.state_slots[b] * ssm_size + hv * head_size;
+      const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
+      float* S = S_slot;  // as conv above
+      if (fresh && row < 0) std::fill(S_slot, S_slot + head_size, 0.0f);
+      const float neg_a_h = neg_a[hv], dt_bias_h = dt_bias[hv];
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = t0 + i;
+        if (row >= 0) {
+          float* S_i = spec_ssm_p + (row * bt.spec_width + i) * ssm_size + hv * head_size;
+          if (fresh && i == 0) {
+            std::fill(S_i, S_i + head_size, 0.0f);
+          } else {
+            std::memcpy(S_i, S, head_size * sizeof(float));
+          }
+          S = S_i;
         }
+        const float* xin = pp + t * width;
+        const float* mixed = mixed_all + t * C;
+        const float* q = mixed + (hv / rep) * dk;
+        const float* k = mixed + key_dim + (hv / rep) * dk;
+        const float* v = mixed + 2 * key_dim + hv * dv;
+        const float beta = sigmoid(xin[C + value_dim + hv]);
+        const float decay = std::exp(neg_a_h * softplus(xin[C + value_dim + Hv + hv] + dt_bias_h));
+        // One read pass gives S^T k and S^T q (state_times_kq); then, with
+        //   S' = decay S + k u^T,  u = beta (v - decay S^T k),  o = S'^T q = decay S^T q + (k.q) u,
+        // one pass writes S'. (The reference decays S first; same maths, other rounding order.)
+        const float kq = dot(k, q, dk);
+        float* o = out + t * value_dim + hv * dv;
+        state_times_kq(S, k, q, dk, dv, sk.data(), sq.data());
+#pragma omp simd
+        for (int64_t j = 0; j < dv; ++j) {
+          u[j] = beta * (v[j] - decay * sk[j]);
+          o[j] = decay * sq[j] + kq * u[j];
+        }
+        for (int64_t a = 0; a < dk; ++a) {
+          float* Sa = S + a * dv;
+          const float ka = k[a];
+#pragma omp simd
+          for (int64_t j = 0; j < dv; ++j) Sa[j] = Sa[j] * decay + ka * u[j];
+        }
+        gated_rms_norm_row(o, xin + C + hv * dv, norm_w, d.eps, dv);
+      }
+      for (int64_t i = n; row >= 0 && i < bt.spec_width; ++i) {
+        std::memcpy(spec_ssm_p + (row * bt.spec_width + i) * ssm_size + hv * head_size, S, head_size * sizeof(float));
       }
     }
   });
