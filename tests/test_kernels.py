@@ -385,8 +385,9 @@ GDN_SEQS = [(7, True, False), (5, False, False), (1, False, False), (1, True, Fa
 
 
 @pytest.mark.parametrize("kernel", [4, 3], ids=["kernel-4", "kernel-3"])
-@pytest.mark.parametrize("dk, dv", [(16, 32), (8, 12)], ids=["dv-32", "dv-12"])
+@pytest.mark.parametrize("dk, dv", [(16, 32), (8, 12), (64, 72)], ids=["dv-32", "dv-12", "two-conv-blocks"])
 def test_gdn_recurrence_matches_the_ops_reference(ext, kernel: int, dk: int, dv: int) -> None:
+    """two-conv-blocks: 544 conv channels, the conv pass's 512-channel blocks and a short one."""
     hk, hv, eps, width = 2, 4, 1e-6, 3
     C = 2 * hk * dk + hv * dv
     g = torch.Generator().manual_seed(kernel * 100 + dv)

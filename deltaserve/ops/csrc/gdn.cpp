@@ -88,6 +88,9 @@ inline void state_times_kq(const float* S, const float* k, const float* q, int64
   }
 }
 
+// Channels per unit of the conv pass's work (a sequence's prompt splits over the threads by channel blocks).
+constexpr int64_t kConvChannels = 512;
+
 }  // namespace
 
 at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tensor& proj, const Batch& bt,
@@ -96,7 +99,7 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
   const int64_t key_dim = d.hk * dk, value_dim = Hv * dv, rep = Hv / d.hk;
   const int64_t width = C + value_dim + 2 * Hv;  // qkv | z | b | a
   at::Tensor core = at::empty({bt.T, value_dim}, proj.options());
-  at::Tensor mixed_rows = at::empty({bt.T, C}, proj.options());  // q|k|v after the conv and the norms
+  at::Tensor mixed_rows = at::empty({bt.T, C}, proj.options());  // q|k|v after the conv and SiLU
   const float* pp = proj.data_ptr<float>();
   const float* cw = w.conv_w.data_ptr<float>();
   const float* neg_a = w.neg_a.data_ptr<float>();
@@ -112,24 +115,27 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
   const int64_t tokens_per_seq = bt.T / std::max<int64_t>(bt.B, 1) + 1;
 
-  // First, per sequence, the conv state advancing token by token: every token's causal depthwise conv over
-  // [state | x_t], SiLU, and the L2 norms of q and k per key head (q also scaled by dk^-1/2).
-  at::parallel_for(0, bt.B, grain_for(tokens_per_seq * C * (K + 2)), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
+  // First, per sequence and block of channels (each channel's conv state advances token by token, apart from
+  // the others'), every token's causal depthwise conv over [state | x_t] and SiLU.
+  const int64_t blocks = (C + kConvChannels - 1) / kConvChannels;
+  at::parallel_for(0, bt.B * blocks, grain_for(tokens_per_seq * kConvChannels * (K + 8)), [&](int64_t i0, int64_t i1) {
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t b = item / blocks, c0 = item % blocks * kConvChannels, c1 = std::min(C, c0 + kConvChannels);
       const int64_t row = bt.spec_index[b];
       const bool fresh = bt.context_lens[b] == 0;
+      const int64_t at = c0 * (K - 1), size = (c1 - c0) * (K - 1);  // the block's part of a conv state
       float* conv_slot = conv_cache + bt.state_slots[b] * conv_size;
       const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
       float* conv = conv_slot;  // the working state: the slot itself, or for a verify segment the per-position copy
-      if (fresh && row < 0) std::fill(conv_slot, conv_slot + conv_size, 0.0f);
+      if (fresh && row < 0) std::fill(conv_slot + at, conv_slot + at + size, 0.0f);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t t = t0 + i;
         if (row >= 0) {  // verify: position i starts from position i-1's state (or the slot's)
           float* conv_i = spec_conv_p + (row * bt.spec_width + i) * conv_size;
           if (fresh && i == 0) {
-            std::fill(conv_i, conv_i + conv_size, 0.0f);
+            std::fill(conv_i + at, conv_i + at + size, 0.0f);
           } else {
-            std::memcpy(conv_i, conv, conv_size * sizeof(float));
+            std::memcpy(conv_i + at, conv + at, size * sizeof(float));
           }
           conv = conv_i;
         }
@@ -137,7 +143,7 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
         float* mixed = mixed_all + t * C;
         if (K == 4) {  // the models' kernel size: fixed taps let this loop vectorize
 #pragma omp simd
-          for (int64_t c = 0; c < C; ++c) {
+          for (int64_t c = c0; c < c1; ++c) {
             float* st = conv + c * 3;
             const float* wc = cw + c * 4;
             const float s0 = st[0], s1 = st[1], s2 = st[2], xc = xin[c];
@@ -147,7 +153,7 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
             mixed[c] = silu(s0 * wc[0] + s1 * wc[1] + s2 * wc[2] + xc * wc[3]);
           }
         } else {
-          for (int64_t c = 0; c < C; ++c) {
+          for (int64_t c = c0; c < c1; ++c) {
             float* st = conv + c * (K - 1);
             const float* wc = cw + c * K;
             float acc = 0.0f;
@@ -158,16 +164,9 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
             mixed[c] = silu(acc);
           }
         }
-        for (int64_t kh = 0; kh < 2 * d.hk; ++kh) {
-          float* v = mixed + kh * dk;
-          float r = 1.0f / std::sqrt(dot(v, v, dk) + 1e-6f);
-          if (kh < d.hk) r *= q_scale;
-#pragma omp simd
-          for (int64_t j = 0; j < dk; ++j) v[j] *= r;
-        }
       }
       for (int64_t i = n; row >= 0 && i < bt.spec_width; ++i) {  // padding positions keep the last state
-        std::memcpy(spec_conv_p + (row * bt.spec_width + i) * conv_size, conv, conv_size * sizeof(float));
+        std::memcpy(spec_conv_p + (row * bt.spec_width + i) * conv_size + at, conv + at, size * sizeof(float));
       }
     }
   });
@@ -175,7 +174,7 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
   // Then, per (sequence, value head), the gated delta rule over the sequence's tokens (the heads' states are
   // independent: a prompt's heads are shared between threads) and the gated RMSNorm.
   at::parallel_for(0, bt.B * Hv, grain_for(tokens_per_seq * head_size * 3), [&](int64_t i0, int64_t i1) {
-    std::vector<float> u(dv), sk(dv), sq(dv);
+    std::vector<float> u(dv), sk(dv), sq(dv), qk(2 * dk);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t b = item / Hv, hv = item % Hv;
       const int64_t row = bt.spec_index[b];
@@ -198,8 +197,18 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
         }
         const float* xin = pp + t * width;
         const float* mixed = mixed_all + t * C;
-        const float* q = mixed + (hv / rep) * dk;
-        const float* k = mixed + key_dim + (hv / rep) * dk;
+        // q and k L2-normalised (q also scaled by dk^-1/2), each value head its own copy of its key head's
+        float* q = qk.data();
+        float* k = qk.data() + dk;
+        const float* q_raw = mixed + (hv / rep) * dk;
+        const float* k_raw = mixed + key_dim + (hv / rep) * dk;
+        const float rq = 1.0f / std::sqrt(dot(q_raw, q_raw, dk) + 1e-6f) * q_scale;
+        const float rk = 1.0f / std::sqrt(dot(k_raw, k_raw, dk) + 1e-6f);
+#pragma omp simd
+        for (int64_t j = 0; j < dk; ++j) {
+          q[j] = q_raw[j] * rq;
+          k[j] = k_raw[j] * rk;
+        }
         const float* v = mixed + 2 * key_dim + hv * dv;
         const float beta = sigmoid(xin[C + value_dim + hv]);
         const float decay = std::exp(neg_a_h * softplus(xin[C + value_dim + Hv + hv] + dt_bias_h));
