@@ -285,8 +285,8 @@ INT8_ACTIVATION_LOGITS_MARGIN = 0.1
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_the_engine_gives_the_torch_executors_greedy_tokens(kernel, quantization: str) -> None:
     """The demo checkpoint quantized, int8 activations (the default), prompts in chunks of up to 128 rows:
-    the fused executor (the tile kernel on its prompt chunks) gives the torch executor's greedy tokens, up to
-    a near tie, and those of the fused executor without the tile kernels."""
+    the fused executor gives the torch executor's greedy tokens, up to a near tie, with the tile kernel on its
+    prompt chunks and without it (the two sum in other orders: a near tie may part them too)."""
     from deltaserve.engine.llm import LLM
     from tests.test_fp8_kv import same_up_to_a_near_tie
 
@@ -296,8 +296,9 @@ def test_the_engine_gives_the_torch_executors_greedy_tokens(kernel, quantization
     with kernel.runs():
         tokens = greedy(fused)
     with kernel.off():
-        assert tokens == greedy(LLMEngine(EngineConfig(**options)))
+        without = greedy(LLMEngine(EngineConfig(**options)))
     reference = LLM(enforce_eager=True, **options)
     want = greedy(reference.engine)
     for i, prompt in enumerate(PROMPTS):
-        same_up_to_a_near_tie(reference, prompt, want[f"r{i}"], tokens[f"r{i}"], INT8_ACTIVATION_LOGITS_MARGIN)
+        for got in (tokens, without):
+            same_up_to_a_near_tie(reference, prompt, want[f"r{i}"], got[f"r{i}"], INT8_ACTIVATION_LOGITS_MARGIN)
