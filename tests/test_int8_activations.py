@@ -257,7 +257,7 @@ def test_the_cli_flag_reaches_the_engine_config() -> None:
 @pytest.mark.parametrize("fmt", [WeightFormat.of("int8"), WeightFormat.of("int4"), WeightFormat.of("int8", 128),
                                  WeightFormat.of("int4", 64)], ids=fmt_id)
 def test_avx2_rows_are_the_same_bits_in_any_number_of_rows(fmt: WeightFormat) -> None:
-    """In AVX2 builds the integer kernel (up to VNNI_TILE_ROWS - 1 rows, groups and K multiples of 32) and the
+    """In AVX2 builds the integer kernel (up to VNNI_TILE_ROWS - 1 rows, for the groups and K it takes) and the
     register tiles (from there on) sum each row's group dots alike: a row's outputs do not depend on the rows
     beside it, so that a speculative verify step scores a token as a one-row decode step would. Parts the integer
     kernel does not take (K = 48) run the tiles at any number of rows."""

@@ -88,7 +88,8 @@ inline void state_times_kq(const float* S, const float* k, const float* q, int64
   }
 }
 
-// Channels per unit of the conv pass's work (a sequence's prompt splits over the threads by channel blocks).
+// About this many channels per unit of the conv pass's work (a sequence's prompt splits over the threads by
+// channel blocks), a whole number of key heads' dk so that a block normalises the q and k heads it holds.
 constexpr int64_t kConvChannels = 512;
 
 }  // namespace
@@ -99,7 +100,7 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
   const int64_t key_dim = d.hk * dk, value_dim = Hv * dv, rep = Hv / d.hk;
   const int64_t width = C + value_dim + 2 * Hv;  // qkv | z | b | a
   at::Tensor core = at::empty({bt.T, value_dim}, proj.options());
-  at::Tensor mixed_rows = at::empty({bt.T, C}, proj.options());  // q|k|v after the conv and SiLU
+  at::Tensor mixed_rows = at::empty({bt.T, C}, proj.options());  // q|k|v after the conv, SiLU and norms
   const float* pp = proj.data_ptr<float>();
   const float* cw = w.conv_w.data_ptr<float>();
   const float* neg_a = w.neg_a.data_ptr<float>();
@@ -116,11 +117,12 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
   const int64_t tokens_per_seq = bt.T / std::max<int64_t>(bt.B, 1) + 1;
 
   // First, per sequence and block of channels (each channel's conv state advances token by token, apart from
-  // the others'), every token's causal depthwise conv over [state | x_t] and SiLU.
-  const int64_t blocks = (C + kConvChannels - 1) / kConvChannels;
-  at::parallel_for(0, bt.B * blocks, grain_for(tokens_per_seq * kConvChannels * (K + 8)), [&](int64_t i0, int64_t i1) {
+  // the others'), every token's causal depthwise conv over [state | x_t], SiLU, and the L2 norms of the q and
+  // k heads in the block (q also scaled by dk^-1/2).
+  const int64_t block = std::max<int64_t>(1, kConvChannels / dk) * dk, blocks = (C + block - 1) / block;
+  at::parallel_for(0, bt.B * blocks, grain_for(tokens_per_seq * block * (K + 8)), [&](int64_t i0, int64_t i1) {
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t b = item / blocks, c0 = item % blocks * kConvChannels, c1 = std::min(C, c0 + kConvChannels);
+      const int64_t b = item / blocks, c0 = item % blocks * block, c1 = std::min(C, c0 + block);
       const int64_t row = bt.spec_index[b];
       const bool fresh = bt.context_lens[b] == 0;
       const int64_t at = c0 * (K - 1), size = (c1 - c0) * (K - 1);  // the block's part of a conv state
@@ -164,6 +166,13 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
             mixed[c] = silu(acc);
           }
         }
+        for (int64_t kh = c0 / dk; kh < std::min(2 * d.hk, c1 / dk); ++kh) {  // (q heads, then k heads)
+          float* v = mixed + kh * dk;
+          float r = 1.0f / std::sqrt(dot(v, v, dk) + 1e-6f);
+          if (kh < d.hk) r *= q_scale;
+#pragma omp simd
+          for (int64_t j = 0; j < dk; ++j) v[j] *= r;
+        }
       }
       for (int64_t i = n; row >= 0 && i < bt.spec_width; ++i) {  // padding positions keep the last state
         std::memcpy(spec_conv_p + (row * bt.spec_width + i) * conv_size + at, conv + at, size * sizeof(float));
@@ -174,7 +183,7 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
   // Then, per (sequence, value head), the gated delta rule over the sequence's tokens (the heads' states are
   // independent: a prompt's heads are shared between threads) and the gated RMSNorm.
   at::parallel_for(0, bt.B * Hv, grain_for(tokens_per_seq * head_size * 3), [&](int64_t i0, int64_t i1) {
-    std::vector<float> u(dv), sk(dv), sq(dv), qk(2 * dk);
+    std::vector<float> u(dv), sk(dv), sq(dv);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t b = item / Hv, hv = item % Hv;
       const int64_t row = bt.spec_index[b];
@@ -197,18 +206,8 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
         }
         const float* xin = pp + t * width;
         const float* mixed = mixed_all + t * C;
-        // q and k L2-normalised (q also scaled by dk^-1/2), each value head its own copy of its key head's
-        float* q = qk.data();
-        float* k = qk.data() + dk;
-        const float* q_raw = mixed + (hv / rep) * dk;
-        const float* k_raw = mixed + key_dim + (hv / rep) * dk;
-        const float rq = 1.0f / std::sqrt(dot(q_raw, q_raw, dk) + 1e-6f) * q_scale;
-        const float rk = 1.0f / std::sqrt(dot(k_raw, k_raw, dk) + 1e-6f);
-#pragma omp simd
-        for (int64_t j = 0; j < dk; ++j) {
-          q[j] = q_raw[j] * rq;
-          k[j] = k_raw[j] * rk;
-        }
+        const float* q = mixed + (hv / rep) * dk;
+        const float* k = mixed + key_dim + (hv / rep) * dk;
         const float* v = mixed + 2 * key_dim + hv * dv;
         const float beta = sigmoid(xin[C + value_dim + hv]);
         const float decay = std::exp(neg_a_h * softplus(xin[C + value_dim + Hv + hv] + dt_bias_h));

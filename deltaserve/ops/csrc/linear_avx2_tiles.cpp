@@ -13,7 +13,7 @@
 // whichever of the two computes them.
 #include "linear_vnni.h"
 
-#if defined(DELTASERVE_AVX2_TILES)
+#if defined(DELTASERVE_AVX2)
 #include <immintrin.h>
 
 #include <algorithm>
@@ -94,10 +94,7 @@ void pack_panel_avx2(const WeightPart& p, int64_t row0, int64_t count, int64_t l
       for (int64_t w = 0; w < words; ++w) _mm256_storeu_si256(reinterpret_cast<__m256i*>(bt + (k0 / 4 + w) * 32), v[w]);
     }
   }
-  const uint16_t* scales = static_cast<const uint16_t*>(p.scale.data_ptr());
-  for (int64_t g = 0; g < p.groups; ++g) {
-    for (int64_t j = 0; j < 64; ++j) sw[g * 64 + j] = j < count ? bf16_to_float(scales[(row0 + j) * p.groups + g]) : 0.0f;
-  }
+  pack_panel_scales(p, row0, count, sw);
 }
 
 // Rows of x per register tile: R rows x 16 outputs take 2R accumulators, with the two weight vectors and the

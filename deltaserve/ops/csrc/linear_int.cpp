@@ -85,18 +85,23 @@ inline bool avx2_int_kernel_takes(Format f, int64_t group, int64_t K) {
   return (group == 32 || group % 64 == 0) && K % 64 == 0;
 }
 
-// T plain int4 rows of q put in the AVX2 layout (QuantizedRows::avx2): each 64 columns' even ones, then
-// their odd ones, and each group's bias.
+// bias [T, groups] = -8 x each group's sum of q_x, for the AVX2 kernels' int4 weights (stored as q_w + 8), of
+// T rows of q's q_x ld apart (before any reordering of their columns).
+void int4_group_biases(QuantizedRows& q, int64_t T, int64_t ld) {
+  q.bias.assign(T * q.groups, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    const int8_t* row = reinterpret_cast<const int8_t*>(q.bytes.data()) + t * ld;
+    for (int64_t k = 0; k < q.K; ++k) q.bias[t * q.groups + k / q.group] -= 8 * row[k];
+  }
+}
+
+// T plain int4 rows of q put in the AVX2 layout (QuantizedRows::avx2): each group's bias, and each 64 columns'
+// even ones, then their odd ones.
 void split_int4_rows(QuantizedRows& q, int64_t T) {
-  q.bias.resize(T * q.groups);
+  int4_group_biases(q, T, q.K);
   int8_t step[64];
   for (int64_t t = 0; t < T; ++t) {
     int8_t* row = reinterpret_cast<int8_t*>(q.bytes.data()) + t * q.K;
-    for (int64_t g = 0; g < q.groups; ++g) {
-      int32_t sum = 0;
-      for (int64_t k = g * q.group; k < std::min(q.K, (g + 1) * q.group); ++k) sum += row[k];
-      q.bias[t * q.groups + g] = -8 * sum;
-    }
     for (int64_t k0 = 0; k0 < q.K; k0 += 64) {
       for (int i = 0; i < 64; ++i) step[(i % 2) * 32 + i / 2] = row[k0 + i];
       std::memcpy(row + k0, step, sizeof(step));
@@ -514,13 +519,7 @@ void tiles_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, bo
     quantize_row(x + t * K, K, group, reinterpret_cast<int8_t*>(row), q.scales.data() + t * q.groups);
     for (int64_t k = 0; plus128 && k < q.ld; ++k) row[k] ^= 0x80;  // two's complement + 128
   }
-  if (kAvx2 && f == Format::kInt4) {
-    q.bias.assign(T * q.groups, 0);
-    for (int64_t t = 0; t < T; ++t) {
-      const int8_t* row = reinterpret_cast<const int8_t*>(q.bytes.data()) + t * q.ld;
-      for (int64_t k = 0; k < q.ld; ++k) q.bias[t * q.groups + k / group] -= 8 * row[k];
-    }
-  }
+  if (kAvx2 && f == Format::kInt4) int4_group_biases(q, T, q.ld);
 }
 
 void quantize_activations_into(std::initializer_list<const Linear*> ls, const float* x, int64_t T,
@@ -610,7 +609,7 @@ void int_panel(const Linear& l, const ActivationRows& a, const float* x, int64_t
         continue;
       }
 #endif
-#if defined(DELTASERVE_AVX2_TILES)
+#if defined(DELTASERVE_AVX2)
       if (q.tiles) {  // a prompt chunk or a batched step on an AVX2 build
         avx2_tile_part(p, n - l.starts[i], count, q, r0, r1 - r0, y, ldo);
         n += count;

@@ -22,7 +22,7 @@ std::atomic<int64_t> min_rows{kVnniTileRows};
 }  // namespace
 
 bool vnni_tiles_supported() {
-#if defined(DELTASERVE_VNNI_TILES) || defined(DELTASERVE_AVX2_TILES)
+#if defined(DELTASERVE_VNNI_TILES) || defined(DELTASERVE_AVX2)
   return true;
 #else
   return false;

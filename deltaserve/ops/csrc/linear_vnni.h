@@ -24,9 +24,6 @@
 #if defined(DELTASERVE_INT_PANELS) && defined(__AVX512VNNI__)
 #define DELTASERVE_VNNI_TILES 1
 #endif
-#if defined(DELTASERVE_AVX2)
-#define DELTASERVE_AVX2_TILES 1
-#endif
 
 namespace deltaserve {
 
@@ -78,7 +75,7 @@ void vnni_part(const WeightPart& p, int64_t row0, int64_t count, const Quantized
                float* y, int64_t ldy);
 #endif
 
-#if defined(DELTASERVE_AVX2_TILES)
+#if defined(DELTASERVE_AVX2)
 // vnni_part's job on AVX2 builds, over the tile layout with signed bytes q_x (and int4's group biases:
 // linear_int.h QuantizedRows).
 void avx2_tile_part(const WeightPart& p, int64_t row0, int64_t count, const QuantizedRows& q, int64_t t0, int64_t T,

@@ -57,11 +57,15 @@ void pack_panel(const WeightPart& p, int64_t row0, int64_t count, int64_t ld, in
       for (int64_t w = 0; w < words; ++w) _mm512_storeu_si512(bt + (k0 / 4 + w) * 64, v[w]);
     }
   }
+  pack_panel_scales(p, row0, count, sw);
+}
+#endif
+
+void pack_panel_scales(const WeightPart& p, int64_t row0, int64_t count, float* sw) {
   const uint16_t* scales = static_cast<const uint16_t*>(p.scale.data_ptr());
   for (int64_t g = 0; g < p.groups; ++g) {
     for (int64_t j = 0; j < 64; ++j) sw[g * 64 + j] = j < count ? bf16_to_float(scales[(row0 + j) * p.groups + g]) : 0.0f;
   }
 }
-#endif
 
 }  // namespace deltaserve

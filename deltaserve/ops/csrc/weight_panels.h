@@ -15,6 +15,10 @@
 
 namespace deltaserve {
 
+// The scales of outputs [row0, row0 + count) (count <= 64) of part p as a panel's kernels read them: sw
+// [groups][64] in fp32, 0 past count (pack_panel's, and the AVX2 tiles' pack_panel_avx2).
+void pack_panel_scales(const WeightPart& p, int64_t row0, int64_t count, float* sw);
+
 #if defined(DELTASERVE_INT_PANELS)
 // Outputs [row0, row0 + count) (count <= 64) of part p into b [4 column tiles][ld / 4][16 outputs][4 bytes]
 // (column tile ct's bytes of columns k .. k + 3 at b + ct * 16 * ld + k * 16), the outputs past count and the
