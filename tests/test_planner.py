@@ -280,3 +280,19 @@ def test_weight_inventory_is_the_built_model() -> None:
     counted = sum(p.total_params for p in parts.values() if p.name != "vision tower")
     assert counted == built
     assert parts["GDN mixer"].count == len(cfg.gdn_layer_ids)
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_decode_reads_the_head(tie: bool) -> None:
+    """A decode token reads one row of an untied embedding, and all of the lm_head, which for a tied model
+    is the embedding itself; every other text weight whole."""
+    cfg = ModelConfig.from_dict(hf_config(TINY).to_dict() | {"model_type": "qwen3_5_text", "tie_word_embeddings": tie})
+    parts = {p.name: p for p in weight_parts(cfg, with_mtp=False, include_vision=False)}
+    embedding, head = parts.pop("embedding"), parts.pop("lm_head")
+    assert head.count == (0 if tie else 1)
+    rows = -(-cfg.vocab_size // 64) * 64  # the vocabulary padded as vLLM pads it (model/sharding.py)
+    read = embedding.bytes_per_rank if tie else head.bytes_per_rank + embedding.bytes_per_rank // rows
+    assert embedding.total_active_bytes_per_rank + head.total_active_bytes_per_rank == read
+    assert all(p.active_bytes_per_rank == p.bytes_per_rank for p in parts.values())
+    plan = plan_memory(cfg, 64, 1)
+    assert plan.active_params == plan.text_params - (0 if tie else (cfg.vocab_size - 1) * cfg.hidden_size)

@@ -139,10 +139,11 @@ def _tensors(module: torch.nn.Module, cfg: ModelConfig, r: RankShape, prefix: st
 
 
 def _active_share(t: _Tensor, cfg: ModelConfig, shape: tuple[int, ...]) -> float:
-    """The share of tensor t one decode token reads: its top-k of the routed experts, its embedding row."""
+    """The share of tensor t one decode token reads: its top-k of the routed experts, its embedding row (all
+    of a tied embedding: it is the lm_head too)."""
     if ".experts." in f".{t.name}":
         return cfg.num_experts_per_tok / cfg.num_experts
-    if t.name.endswith("embed_tokens"):
+    if t.name.endswith("embed_tokens") and not cfg.tie_word_embeddings:
         return 1 / shape[0]
     return 1.0
 
