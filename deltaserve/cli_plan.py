@@ -161,6 +161,12 @@ def format_params(n: int) -> str:
     return f"{n:,}"
 
 
+def embedding_read(plan: MemoryPlan) -> str:
+    """What a decode token reads of the embedding: a tied one is the lm_head (the plan counts no head)."""
+    tied = any(p.name == "lm_head" and p.count == 0 for p in plan.weight_parts)
+    return "the tied embedding whole, as the lm_head" if tied else "one embedding row"
+
+
 def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
     r = plan.rank
     lines: list[str] = []
@@ -198,7 +204,7 @@ def format_plan(plan: MemoryPlan, gpu_memory_bytes: int | None = None) -> str:
         f"vision {format_params(plan.vision_params)}")
     add(f"  per decode token: reads {format_bytes(plan.active_weight_bytes)} of the {format_bytes(plan.weight_bytes)}"
         f" loaded; active parameters {format_params(plan.active_params)} of {format_params(plan.text_params)}"
-        f"{' (top-k routed experts, one embedding row)' if plan.num_experts else ' (one embedding row)'}")
+        f" ({'top-k routed experts, ' if plan.num_experts else ''}{embedding_read(plan)})")
     add("")
     def row(label: str, value: int, note: str = "") -> None:
         add(f"  {label:<24}{format_bytes(value):>12}{'   ' + note if note else ''}")

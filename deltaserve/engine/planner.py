@@ -334,7 +334,8 @@ class MemoryPlan:
     weight_parts: list[WeightPart] = field(default_factory=list)
     weight_bytes: int = 0
     # what one decode token reads of the loaded text weights (per rank): with MoE, num_experts_per_tok of
-    # the routed experts; one embedding row; the MTP head when speculating; never the vision tower
+    # the routed experts; one embedding row (a tied one whole: it is the lm_head); the MTP head when
+    # speculating; never the vision tower
     active_weight_bytes: int = 0
     active_params: int = 0  # whole-model parameters of the text model (no MTP) one decode token reads
     # whole-model parameter counts
