@@ -379,9 +379,11 @@ def gdn_reference(x, conv_w, neg_a, dt_bias, norm_w, conv_state, ssm_state, hk: 
 
 
 # (query length, starts from zeros, verify segment): a prompt, a continued chunk, decodes from a given
-# state and from zeros, verify segments of 3 (from a given state) and 2 (from zeros, shorter than the width)
+# state and from zeros, verify segments of 3 (from a given state) and 2 (from zeros, shorter than the width),
+# and segments long enough for the chunked form (gdn.cpp kChunkedTokens): a prompt of two chunks and a part,
+# a continued one of one chunk and a part
 GDN_SEQS = [(7, True, False), (5, False, False), (1, False, False), (1, True, False), (3, False, True),
-            (2, True, True)]
+            (2, True, True), (150, True, False), (70, False, False)]
 
 
 @pytest.mark.parametrize("kernel", [4, 3], ids=["kernel-4", "kernel-3"])
@@ -400,7 +402,7 @@ def test_gdn_recurrence_matches_the_ops_reference(ext, kernel: int, dk: int, dv:
     neg_a = -torch.empty(hv).uniform_(0.5, 8, generator=g)
     dt_bias = torch.randn(hv, generator=g) * 0.5
     norm_w = torch.randn(dv, generator=g) * 0.2 + 1
-    slots = torch.tensor([4, 0, 5, 2, 1, 3])  # one spare slot (6) that nothing touches
+    slots = torch.tensor([4, 0, 5, 2, 1, 3, 7, 6])  # one spare slot (8) that nothing touches
     conv_cache = torch.randn(B + 1, C, kernel - 1, generator=g)
     ssm_cache = torch.randn(B + 1, hv, dk, dv, generator=g)
     context = torch.tensor([0 if fresh else 9 for _, fresh, _ in GDN_SEQS])

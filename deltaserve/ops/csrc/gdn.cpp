@@ -15,75 +15,134 @@ namespace deltaserve {
 
 namespace {
 
-// sk = S^T k and sq = S^T q for one head's recurrent state S [dk, dv], in one read of S.
+// Value dims of a head's state that one pass of the delta rule keeps (a block of dk x kDeltaCols floats: 16 KB
+// at dk 128 on AVX2, in L1 while a sequence's tokens pass; its running S^T k and S^T q in registers).
 #if defined(__AVX512F__)
-// N x 16 value dims at a time: 2N accumulators stay in registers while the dk rows stream by.
-constexpr int64_t kStateLanes = 16;  // value dims per vector
-template <int N>
-inline void state_times_kq_block(const float* S, int64_t dk, int64_t dv, const float* k, const float* q,
-                                 float* sk, float* sq) {
-  __m512 ak[N], aq[N];
-  for (int c = 0; c < N; ++c) ak[c] = aq[c] = _mm512_setzero_ps();
+constexpr int64_t kDeltaCols = 64;
+#elif defined(DELTASERVE_AVX2)
+constexpr int64_t kDeltaCols = 32;
+#else
+constexpr int64_t kDeltaCols = 16;
+#endif
+
+// The three passes over a block of `cols` value dims of a state S (dk rows, dv apart), cols <= kDeltaCols:
+// read: sk = S^T k, sq = S^T q; update: S = decay S + k u^T; update_and_read: both, the read of the updated
+// rows for the next token's kn, qn. (The reference decays S first; same maths, other rounding order.)
+inline void read_rows(const float* S, int64_t dk, int64_t dv, int64_t cols, const float* k, const float* q,
+                      float* sk, float* sq) {
+  std::fill(sk, sk + cols, 0.0f);
+  std::fill(sq, sq + cols, 0.0f);
   for (int64_t a = 0; a < dk; ++a) {
-    const __m512 ka = _mm512_set1_ps(k[a]), qa = _mm512_set1_ps(q[a]);
-    for (int c = 0; c < N; ++c) {
-      const __m512 row = _mm512_loadu_ps(S + a * dv + 16 * c);
-      ak[c] = _mm512_fmadd_ps(row, ka, ak[c]);
-      aq[c] = _mm512_fmadd_ps(row, qa, aq[c]);
+    const float* Sa = S + a * dv;
+#pragma omp simd
+    for (int64_t j = 0; j < cols; ++j) {
+      sk[j] += Sa[j] * k[a];
+      sq[j] += Sa[j] * q[a];
     }
-  }
-  for (int c = 0; c < N; ++c) {
-    _mm512_storeu_ps(sk + 16 * c, ak[c]);
-    _mm512_storeu_ps(sq + 16 * c, aq[c]);
   }
 }
-#elif defined(DELTASERVE_AVX2)
-// The AVX2 form: N x 8 value dims at a time (2N accumulators of the 16 registers).
-constexpr int64_t kStateLanes = 8;
-template <int N>
-inline void state_times_kq_block(const float* S, int64_t dk, int64_t dv, const float* k, const float* q,
-                                 float* sk, float* sq) {
-  __m256 ak[N], aq[N];
-  for (int c = 0; c < N; ++c) ak[c] = aq[c] = _mm256_setzero_ps();
+
+inline float updated(float s, float decay, float k, float u) { return std::fma(k, u, s * decay); }
+
+inline void update_rows(float* S, int64_t dk, int64_t dv, int64_t cols, const float* k, const float* u, float decay) {
   for (int64_t a = 0; a < dk; ++a) {
-    const __m256 ka = _mm256_set1_ps(k[a]), qa = _mm256_set1_ps(q[a]);
-    for (int c = 0; c < N; ++c) {
-      const __m256 row = _mm256_loadu_ps(S + a * dv + 8 * c);
-      ak[c] = _mm256_fmadd_ps(row, ka, ak[c]);
-      aq[c] = _mm256_fmadd_ps(row, qa, aq[c]);
+    float* Sa = S + a * dv;
+    const float ka = k[a];
+#pragma omp simd
+    for (int64_t j = 0; j < cols; ++j) Sa[j] = updated(Sa[j], decay, ka, u[j]);
+  }
+}
+
+#if defined(DELTASERVE_AVX2) && !defined(__AVX512F__)
+// AVX2, 32 value dims: the 8 accumulators of S^T k and S^T q stay in registers through the dk rows.
+inline void update_and_read32(float* S, int64_t dk, int64_t dv, const float* k, const float* u, float decay,
+                              const float* kn, const float* qn, float* sk, float* sq) {
+  __m256 ak[4], aq[4];
+  for (int c = 0; c < 4; ++c) ak[c] = aq[c] = _mm256_setzero_ps();
+  const __m256 dec = _mm256_set1_ps(decay);
+  for (int64_t a = 0; a < dk; ++a) {
+    float* Sa = S + a * dv;
+    const __m256 ka = _mm256_set1_ps(k[a]), kna = _mm256_set1_ps(kn[a]), qna = _mm256_set1_ps(qn[a]);
+    for (int c = 0; c < 4; ++c) {
+      const __m256 r = _mm256_fmadd_ps(ka, _mm256_loadu_ps(u + 8 * c), _mm256_mul_ps(_mm256_loadu_ps(Sa + 8 * c), dec));
+      _mm256_storeu_ps(Sa + 8 * c, r);
+      ak[c] = _mm256_fmadd_ps(r, kna, ak[c]);
+      aq[c] = _mm256_fmadd_ps(r, qna, aq[c]);
     }
   }
-  for (int c = 0; c < N; ++c) {
+  for (int c = 0; c < 4; ++c) {
     _mm256_storeu_ps(sk + 8 * c, ak[c]);
     _mm256_storeu_ps(sq + 8 * c, aq[c]);
   }
 }
 #endif
 
-inline void state_times_kq(const float* S, const float* k, const float* q, int64_t dk, int64_t dv, float* sk,
-                           float* sq) {
-#if defined(__AVX512F__) || defined(DELTASERVE_AVX2)
-  if (dv % kStateLanes == 0) {
-    for (int64_t j0 = 0; j0 < dv; j0 += 4 * kStateLanes) {
-      switch (std::min<int64_t>(4, (dv - j0) / kStateLanes)) {
-        case 1: state_times_kq_block<1>(S + j0, dk, dv, k, q, sk + j0, sq + j0); break;
-        case 2: state_times_kq_block<2>(S + j0, dk, dv, k, q, sk + j0, sq + j0); break;
-        case 3: state_times_kq_block<3>(S + j0, dk, dv, k, q, sk + j0, sq + j0); break;
-        default: state_times_kq_block<4>(S + j0, dk, dv, k, q, sk + j0, sq + j0); break;
-      }
-    }
-    return;
-  }
+inline void update_and_read(float* S, int64_t dk, int64_t dv, int64_t cols, const float* k, const float* u,
+                            float decay, const float* kn, const float* qn, float* sk, float* sq) {
+#if defined(DELTASERVE_AVX2) && !defined(__AVX512F__)
+  if (cols == 32) return update_and_read32(S, dk, dv, k, u, decay, kn, qn, sk, sq);
 #endif
-  std::fill(sk, sk + dv, 0.0f);
-  std::fill(sq, sq + dv, 0.0f);
+  std::fill(sk, sk + cols, 0.0f);
+  std::fill(sq, sq + cols, 0.0f);
   for (int64_t a = 0; a < dk; ++a) {
-    const float* Sa = S + a * dv;
-    const float ka = k[a], qa = q[a];
+    float* Sa = S + a * dv;
+    const float ka = k[a], kna = kn[a], qna = qn[a];
 #pragma omp simd
-    for (int64_t j = 0; j < dv; ++j) {
-      sk[j] += Sa[j] * ka;
-      sq[j] += Sa[j] * qa;
+    for (int64_t j = 0; j < cols; ++j) {
+      const float r = updated(Sa[j], decay, ka, u[j]);
+      Sa[j] = r;
+      sk[j] += r * kna;
+      sq[j] += r * qna;
+    }
+  }
+}
+
+// One value head's inputs at each of its sequence's tokens.
+struct HeadTokens {
+  const float* mixed;  // q|k|v rows after the conv, SiLU and norms, C apart
+  int64_t C, q, k, v;  // the row stride; this head's q, k and v offsets in a row
+  float* out;          // its output rows, out_stride apart
+  int64_t out_stride;
+  const float *beta, *decay, *kq;  // per token: beta, exp(g) and k.q
+  const float* row(int64_t i) const { return mixed + i * C; }
+};
+
+// The gated delta rule over a head's n tokens for the value dims [j0, j0 + cols) of its state. With
+//   S' = decay S + k u^T,  u = beta (v - decay S^T k),  o = S'^T q = decay S^T q + (k.q) u,
+// one pass over the block writes a token's S' and reads S'^T k and S'^T q for the next token, while the block
+// (dk x cols floats) stays in L1. S: the state the tokens start from (unread when zero_start); verify
+// segments give states [n] for the state after each token (S is then only read), the others none (S is
+// updated in place).
+void delta_rule_block(const HeadTokens& h, int64_t n, int64_t dk, int64_t dv, int64_t j0, int64_t cols, float* S,
+                      bool zero_start, float* const* states) {
+  float sk[kDeltaCols] = {}, sq[kDeltaCols] = {}, u[kDeltaCols];
+  S += j0;
+  if (!zero_start) read_rows(S, dk, dv, cols, h.row(0) + h.k, h.row(0) + h.q, sk, sq);
+  for (int64_t i = 0; i < n; ++i) {
+    if (states) {  // verify: token i's state starts as a copy of the one before it
+      float* dst = states[i] + j0;
+      for (int64_t a = 0; a < dk; ++a) {
+        if (i == 0 && zero_start) {
+          std::fill(dst + a * dv, dst + a * dv + cols, 0.0f);
+        } else {
+          std::memcpy(dst + a * dv, S + a * dv, cols * sizeof(float));
+        }
+      }
+      S = dst;
+    }
+    const float* x = h.row(i);
+    const float beta = h.beta[i], decay = h.decay[i], kq = h.kq[i];
+    const float* v = x + h.v + j0;
+    float* o = h.out + i * h.out_stride + j0;
+#pragma omp simd
+    for (int64_t j = 0; j < cols; ++j) {
+      u[j] = beta * (v[j] - decay * sk[j]);
+      o[j] = decay * sq[j] + kq * u[j];
+    }
+    if (i + 1 < n) {
+      update_and_read(S, dk, dv, cols, x + h.k, u, decay, h.row(i + 1) + h.k, h.row(i + 1) + h.q, sk, sq);
+    } else {
+      update_rows(S, dk, dv, cols, x + h.k, u, decay);
     }
   }
 }
@@ -118,7 +177,17 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
 
   // First, per sequence and block of channels (each channel's conv state advances token by token, apart from
   // the others'), every token's causal depthwise conv over [state | x_t], SiLU, and the L2 norms of the q and
-  // k heads in the block (q also scaled by dk^-1/2).
+  // k heads in the block (q also scaled by dk^-1/2). With the models' kernel of 4, a segment that is not a verify
+  // segment reads the inputs of its tokens from the 4th on from the rows of proj, channels side by side (taps
+  // [4, C]: vectorizes), and sets its conv state from its last 3 rows at the end.
+  std::vector<float> taps;
+  if (K == 4) {
+    taps.resize(4 * C);
+    for (int64_t c = 0; c < C; ++c) {
+      for (int64_t j = 0; j < 4; ++j) taps[j * C + c] = cw[c * 4 + j];
+    }
+  }
+  const float* tap = taps.data();
   const int64_t block = std::max<int64_t>(1, kConvChannels / dk) * dk, blocks = (C + block - 1) / block;
   at::parallel_for(0, bt.B * blocks, grain_for(tokens_per_seq * block * (K + 8)), [&](int64_t i0, int64_t i1) {
     for (int64_t item = i0; item < i1; ++item) {
@@ -128,6 +197,7 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
       const int64_t at = c0 * (K - 1), size = (c1 - c0) * (K - 1);  // the block's part of a conv state
       float* conv_slot = conv_cache + bt.state_slots[b] * conv_size;
       const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
+      const bool from_rows = K == 4 && row < 0;
       float* conv = conv_slot;  // the working state: the slot itself, or for a verify segment the per-position copy
       if (fresh && row < 0) std::fill(conv_slot + at, conv_slot + at + size, 0.0f);
       for (int64_t i = 0; i < n; ++i) {
@@ -143,16 +213,21 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
         }
         const float* xin = pp + t * width;
         float* mixed = mixed_all + t * C;
-        if (K == 4) {  // the models' kernel size: fixed taps let this loop vectorize
+        if (from_rows && i >= 3) {
+          const float *x0 = xin - 3 * width, *x1 = xin - 2 * width, *x2 = xin - width;
+#pragma omp simd
+          for (int64_t c = c0; c < c1; ++c) {
+            mixed[c] = silu(x0[c] * tap[c] + x1[c] * tap[C + c] + x2[c] * tap[2 * C + c] + xin[c] * tap[3 * C + c]);
+          }
+        } else if (K == 4) {  // the models' kernel size: fixed taps let this loop vectorize
 #pragma omp simd
           for (int64_t c = c0; c < c1; ++c) {
             float* st = conv + c * 3;
-            const float* wc = cw + c * 4;
             const float s0 = st[0], s1 = st[1], s2 = st[2], xc = xin[c];
             st[0] = s1;
             st[1] = s2;
             st[2] = xc;
-            mixed[c] = silu(s0 * wc[0] + s1 * wc[1] + s2 * wc[2] + xc * wc[3]);
+            mixed[c] = silu(s0 * tap[c] + s1 * tap[C + c] + s2 * tap[2 * C + c] + xc * tap[3 * C + c]);
           }
         } else {
           for (int64_t c = c0; c < c1; ++c) {
@@ -174,6 +249,12 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
           for (int64_t j = 0; j < dk; ++j) v[j] *= r;
         }
       }
+      if (from_rows && n > 3) {  // the state: the last 3 inputs (the stepwise tokens shifted it before)
+        const float* last = pp + (t0 + n - 3) * width;
+        for (int64_t c = c0; c < c1; ++c) {
+          for (int64_t j = 0; j < 3; ++j) conv[c * 3 + j] = last[j * width + c];
+        }
+      }
       for (int64_t i = n; row >= 0 && i < bt.spec_width; ++i) {  // padding positions keep the last state
         std::memcpy(spec_conv_p + (row * bt.spec_width + i) * conv_size + at, conv + at, size * sizeof(float));
       }
@@ -181,57 +262,41 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
   });
 
   // Then, per (sequence, value head), the gated delta rule over the sequence's tokens (the heads' states are
-  // independent: a prompt's heads are shared between threads) and the gated RMSNorm.
+  // independent: a prompt's heads are shared between threads), a block of value dims at a time, and the gated
+  // RMSNorm.
   at::parallel_for(0, bt.B * Hv, grain_for(tokens_per_seq * head_size * 3), [&](int64_t i0, int64_t i1) {
-    std::vector<float> u(dv), sk(dv), sq(dv);
+    std::vector<float> beta, decay, kq;
+    std::vector<float*> states;
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t b = item / Hv, hv = item % Hv;
       const int64_t row = bt.spec_index[b];
       const bool fresh = bt.context_lens[b] == 0;
       float* S_slot = ssm_cache + bt.state_slots[b] * ssm_size + hv * head_size;
       const int64_t t0 = bt.qsl[b], n = bt.qsl[b + 1] - t0;
-      float* S = S_slot;  // as conv above
       if (fresh && row < 0) std::fill(S_slot, S_slot + head_size, 0.0f);
-      const float neg_a_h = neg_a[hv], dt_bias_h = dt_bias[hv];
+      beta.resize(n), decay.resize(n), kq.resize(n);
+      const HeadTokens h{mixed_all + t0 * C, C, (hv / rep) * dk, key_dim + (hv / rep) * dk, 2 * key_dim + hv * dv,
+                         out + t0 * value_dim + hv * dv, value_dim, beta.data(), decay.data(), kq.data()};
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = t0 + i;
-        if (row >= 0) {
-          float* S_i = spec_ssm_p + (row * bt.spec_width + i) * ssm_size + hv * head_size;
-          if (fresh && i == 0) {
-            std::fill(S_i, S_i + head_size, 0.0f);
-          } else {
-            std::memcpy(S_i, S, head_size * sizeof(float));
-          }
-          S = S_i;
-        }
-        const float* xin = pp + t * width;
-        const float* mixed = mixed_all + t * C;
-        const float* q = mixed + (hv / rep) * dk;
-        const float* k = mixed + key_dim + (hv / rep) * dk;
-        const float* v = mixed + 2 * key_dim + hv * dv;
-        const float beta = sigmoid(xin[C + value_dim + hv]);
-        const float decay = std::exp(neg_a_h * softplus(xin[C + value_dim + Hv + hv] + dt_bias_h));
-        // One read pass gives S^T k and S^T q (state_times_kq); then, with
-        //   S' = decay S + k u^T,  u = beta (v - decay S^T k),  o = S'^T q = decay S^T q + (k.q) u,
-        // one pass writes S'. (The reference decays S first; same maths, other rounding order.)
-        const float kq = dot(k, q, dk);
-        float* o = out + t * value_dim + hv * dv;
-        state_times_kq(S, k, q, dk, dv, sk.data(), sq.data());
-#pragma omp simd
-        for (int64_t j = 0; j < dv; ++j) {
-          u[j] = beta * (v[j] - decay * sk[j]);
-          o[j] = decay * sq[j] + kq * u[j];
-        }
-        for (int64_t a = 0; a < dk; ++a) {
-          float* Sa = S + a * dv;
-          const float ka = k[a];
-#pragma omp simd
-          for (int64_t j = 0; j < dv; ++j) Sa[j] = Sa[j] * decay + ka * u[j];
-        }
-        gated_rms_norm_row(o, xin + C + hv * dv, norm_w, d.eps, dv);
+        const float* xin = pp + (t0 + i) * width;
+        beta[i] = sigmoid(xin[C + value_dim + hv]);
+        decay[i] = std::exp(neg_a[hv] * softplus(xin[C + value_dim + Hv + hv] + dt_bias[hv]));
+        kq[i] = dot(h.row(i) + h.k, h.row(i) + h.q, dk);
       }
-      for (int64_t i = n; row >= 0 && i < bt.spec_width; ++i) {
-        std::memcpy(spec_ssm_p + (row * bt.spec_width + i) * ssm_size + hv * head_size, S, head_size * sizeof(float));
+      states.clear();
+      for (int64_t i = 0; row >= 0 && i < n; ++i) {
+        states.push_back(spec_ssm_p + (row * bt.spec_width + i) * ssm_size + hv * head_size);
+      }
+      float* const* per_token = row >= 0 ? states.data() : nullptr;
+      for (int64_t j0 = 0; j0 < dv && n > 0; j0 += kDeltaCols) {
+        delta_rule_block(h, n, dk, dv, j0, std::min(kDeltaCols, dv - j0), S_slot, fresh, per_token);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        gated_rms_norm_row(out + (t0 + i) * value_dim + hv * dv, pp + (t0 + i) * width + C + hv * dv, norm_w, d.eps, dv);
+      }
+      const float* last = row >= 0 && n > 0 ? states[n - 1] : S_slot;
+      for (int64_t i = n; row >= 0 && i < bt.spec_width; ++i) {  // padding positions keep the last state
+        std::memcpy(spec_ssm_p + (row * bt.spec_width + i) * ssm_size + hv * head_size, last, head_size * sizeof(float));
       }
     }
   });
