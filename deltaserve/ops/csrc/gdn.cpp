@@ -42,18 +42,20 @@ inline void read_rows(const float* S, int64_t dk, int64_t dv, int64_t cols, cons
   }
 }
 
-inline float updated(float s, float decay, float k, float u) { return std::fma(k, u, s * decay); }
-
-inline void update_rows(float* S, int64_t dk, int64_t dv, int64_t cols, const float* k, const float* u, float decay) {
+#if defined(DELTASERVE_AVX2) && !defined(__AVX512F__)
+// AVX2, 32 value dims, S' = fma(k, u, decay S) as update_and_read32 computes it.
+inline void update_rows32(float* S, int64_t dk, int64_t dv, const float* k, const float* u, float decay) {
+  const __m256 dec = _mm256_set1_ps(decay);
   for (int64_t a = 0; a < dk; ++a) {
     float* Sa = S + a * dv;
-    const float ka = k[a];
-#pragma omp simd
-    for (int64_t j = 0; j < cols; ++j) Sa[j] = updated(Sa[j], decay, ka, u[j]);
+    const __m256 ka = _mm256_set1_ps(k[a]);
+    for (int c = 0; c < 4; ++c) {
+      _mm256_storeu_ps(Sa + 8 * c, _mm256_fmadd_ps(ka, _mm256_loadu_ps(u + 8 * c),
+                                                   _mm256_mul_ps(_mm256_loadu_ps(Sa + 8 * c), dec)));
+    }
   }
 }
 
-#if defined(DELTASERVE_AVX2) && !defined(__AVX512F__)
 // AVX2, 32 value dims: the 8 accumulators of S^T k and S^T q stay in registers through the dk rows.
 inline void update_and_read32(float* S, int64_t dk, int64_t dv, const float* k, const float* u, float decay,
                               const float* kn, const float* qn, float* sk, float* sq) {
@@ -77,6 +79,19 @@ inline void update_and_read32(float* S, int64_t dk, int64_t dv, const float* k, 
 }
 #endif
 
+// (Both passes compute S' by one expression, so that a state is the same bits whichever wrote it.)
+inline void update_rows(float* S, int64_t dk, int64_t dv, int64_t cols, const float* k, const float* u, float decay) {
+#if defined(DELTASERVE_AVX2) && !defined(__AVX512F__)
+  if (cols == 32) return update_rows32(S, dk, dv, k, u, decay);
+#endif
+  for (int64_t a = 0; a < dk; ++a) {
+    float* Sa = S + a * dv;
+    const float ka = k[a];
+#pragma omp simd
+    for (int64_t j = 0; j < cols; ++j) Sa[j] = Sa[j] * decay + ka * u[j];
+  }
+}
+
 inline void update_and_read(float* S, int64_t dk, int64_t dv, int64_t cols, const float* k, const float* u,
                             float decay, const float* kn, const float* qn, float* sk, float* sq) {
 #if defined(DELTASERVE_AVX2) && !defined(__AVX512F__)
@@ -89,7 +104,7 @@ inline void update_and_read(float* S, int64_t dk, int64_t dv, int64_t cols, cons
     const float ka = k[a], kna = kn[a], qna = qn[a];
 #pragma omp simd
     for (int64_t j = 0; j < cols; ++j) {
-      const float r = updated(Sa[j], decay, ka, u[j]);
+      const float r = Sa[j] * decay + ka * u[j];
       Sa[j] = r;
       sk[j] += r * kna;
       sq[j] += r * qna;
