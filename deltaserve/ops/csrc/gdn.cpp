@@ -43,16 +43,20 @@ inline void read_rows(const float* S, int64_t dk, int64_t dv, int64_t cols, cons
 }
 
 #if defined(DELTASERVE_AVX2) && !defined(__AVX512F__)
-// AVX2, 32 value dims, S' = fma(k, u, decay S) as update_and_read32 computes it.
+// S' = fma(k, u, decay S) for 8 value dims at Sa (stored), the one expression of both AVX2 passes below, so that
+// a state is the same bits whichever pass wrote it.
+inline __m256 update8(float* Sa, __m256 dec, __m256 ka, const float* u) {
+  const __m256 r = _mm256_fmadd_ps(ka, _mm256_loadu_ps(u), _mm256_mul_ps(_mm256_loadu_ps(Sa), dec));
+  _mm256_storeu_ps(Sa, r);
+  return r;
+}
+
+// AVX2, 32 value dims.
 inline void update_rows32(float* S, int64_t dk, int64_t dv, const float* k, const float* u, float decay) {
   const __m256 dec = _mm256_set1_ps(decay);
   for (int64_t a = 0; a < dk; ++a) {
-    float* Sa = S + a * dv;
     const __m256 ka = _mm256_set1_ps(k[a]);
-    for (int c = 0; c < 4; ++c) {
-      _mm256_storeu_ps(Sa + 8 * c, _mm256_fmadd_ps(ka, _mm256_loadu_ps(u + 8 * c),
-                                                   _mm256_mul_ps(_mm256_loadu_ps(Sa + 8 * c), dec)));
-    }
+    for (int c = 0; c < 4; ++c) update8(S + a * dv + 8 * c, dec, ka, u + 8 * c);
   }
 }
 
@@ -63,11 +67,9 @@ inline void update_and_read32(float* S, int64_t dk, int64_t dv, const float* k, 
   for (int c = 0; c < 4; ++c) ak[c] = aq[c] = _mm256_setzero_ps();
   const __m256 dec = _mm256_set1_ps(decay);
   for (int64_t a = 0; a < dk; ++a) {
-    float* Sa = S + a * dv;
     const __m256 ka = _mm256_set1_ps(k[a]), kna = _mm256_set1_ps(kn[a]), qna = _mm256_set1_ps(qn[a]);
     for (int c = 0; c < 4; ++c) {
-      const __m256 r = _mm256_fmadd_ps(ka, _mm256_loadu_ps(u + 8 * c), _mm256_mul_ps(_mm256_loadu_ps(Sa + 8 * c), dec));
-      _mm256_storeu_ps(Sa + 8 * c, r);
+      const __m256 r = update8(S + a * dv + 8 * c, dec, ka, u + 8 * c);
       ak[c] = _mm256_fmadd_ps(r, kna, ak[c]);
       aq[c] = _mm256_fmadd_ps(r, qna, aq[c]);
     }
@@ -79,7 +81,7 @@ inline void update_and_read32(float* S, int64_t dk, int64_t dv, const float* k, 
 }
 #endif
 
-// (Both passes compute S' by one expression, so that a state is the same bits whichever wrote it.)
+// (The generic passes below also write S' by one expression.)
 inline void update_rows(float* S, int64_t dk, int64_t dv, int64_t cols, const float* k, const float* u, float decay) {
 #if defined(DELTASERVE_AVX2) && !defined(__AVX512F__)
   if (cols == 32) return update_rows32(S, dk, dv, k, u, decay);
@@ -193,9 +195,9 @@ at::Tensor gdn_recurrence(const GdnDims& d, const GdnTensors& w, const at::Tenso
   // First, per sequence and block of channels (each channel's conv state advances token by token, apart from
   // the others'), every token's causal depthwise conv over [state | x_t], SiLU, and the L2 norms of the q and
   // k heads in the block (q also scaled by dk^-1/2). With the models' kernel of 4, a segment that is not a verify
-  // segment reads the inputs of its tokens from the 4th on from the rows of proj, channels side by side (taps
-  // [4, C]: vectorizes), and sets its conv state from its last 3 rows at the end.
-  std::vector<float> taps;
+  // segment reads the inputs of its tokens from the 4th on from the rows of proj, channels side by side (conv_w
+  // transposed into taps [4, C] for this call: vectorizes), and sets its conv state from its last 3 rows.
+  std::vector<float> taps;  // (the stepwise K == 4 loop reads them too: contiguous, faster than conv_w's stride 4)
   if (K == 4) {
     taps.resize(4 * C);
     for (int64_t c = 0; c < C; ++c) {
