@@ -260,12 +260,13 @@ def test_avx2_rows_are_the_same_bits_in_any_number_of_rows(fmt: WeightFormat) ->
     """In AVX2 builds the integer kernel (up to VNNI_TILE_ROWS - 1 rows, for the groups and K it takes) and the
     register tiles (from there on) sum each row's group dots alike: a row's outputs do not depend on the rows
     beside it, so that a speculative verify step scores a token as a one-row decode step would. Parts the integer
-    kernel does not take (K = 48) run the tiles at any number of rows."""
+    kernel does not take (K = 48) run the tiles at any number of rows. K = 96 is an odd number of groups of 32
+    (the one-row kernel's pairs of groups end with one alone)."""
     ext = load_extension()
     if ext.VECTOR_KERNELS != "avx2":
         pytest.skip("the AVX2 kernels run in native builds on CPUs with AVX2 but not AVX-512")
     g = torch.Generator().manual_seed(fmt.group)
-    for n_out, k_in in ((150, 320), (40, 48)):
+    for n_out, k_in in ((150, 320), (40, 48), (70, 96)):
         part = spec(torch.randn(n_out, k_in, generator=g), fmt)
         x = torch.randn(64, k_in, generator=g) * torch.logspace(-2, 2, 64)[:, None]
         alone = torch.cat([ext.linear(x[t:t + 1].contiguous(), [part], "int8") for t in range(64)])

@@ -177,19 +177,12 @@ void dot_block_avx2(const WeightPart& p, int64_t row0, const float* x, int64_t K
   __m256 s[NO];
   DS_UNROLL
   for (int j = 0; j < NO; ++j) scale[j] = RowScales8<F>{&p, scales, row0 + j};
-  // the next block's rows prefetched into L2, once per 64-byte line, as dot_block does
   constexpr int64_t kBytes8 = bytes_of_8(F);
-  const int64_t ahead = NO * p.row_bytes;
   int64_t k0 = 0;
   for (; k0 + 8 <= K; k0 += 8) {
     DS_UNROLL
     for (int j = 0; j < NO; ++j) s[j] = scale[j].at(k0);
-    if (((k0 * kBytes8 / 8) & 63) == 0) {
-      DS_UNROLL
-      for (int j = 0; j < NO; ++j) {
-        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + k0 * kBytes8 / 8 + ahead), _MM_HINT_T1);
-      }
-    }
+    if (((k0 * kBytes8 / 8) & 63) == 0) prefetch_next_block(rows[0], NO, p.row_bytes, k0 * kBytes8 / 8);
     if constexpr (R == 1) {  // each widened row used at once: NO accumulators and few other registers
       const __m256 xv = _mm256_loadu_ps(x + k0);
       DS_UNROLL

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "formats.h"
+#include "isa.h"
 
 namespace deltaserve {
 
@@ -85,5 +86,32 @@ inline void with_rows(int64_t rows, F&& f) {
   }
   f(std::integral_constant<int, Max>{});
 }
+
+#if defined(DELTASERVE_AVX2)
+// Blocks of up to this many bytes are prefetched as one stream (prefetch_next_block).
+constexpr int64_t kSequentialPrefetchBytes = 8192;
+
+// A block of n consecutive weight rows (n x row_bytes contiguous bytes from `block`) is read across, the same
+// `at` bytes into every row at a time; call this each time `at` reaches a multiple of 64, and it prefetches the
+// same share of the next block:
+//   - a block of at most kSequentialPrefetchBytes: its bytes front to back, n lines a call, so that memory sees
+//     one sequential stream that keeps pace with the block. Rows this short are each less than a page, where
+//     the hardware's stream prefetcher loses them; measured (an AMD EPYC, 1 thread, one row of x, weights
+//     streamed from memory, the lm_head's 1 KB int8 / 512 B int4 rows in blocks of 4), 94% / 88% of the
+//     bandwidth a plain sum reads at the time, against 54% / 46% with the lines below.
+//   - a longer block: each row's line `at` bytes in, into L2 (n streams, each long enough for the hardware to
+//     follow). Whole blocks of long rows prefetched as one stream were slower (bf16 down_proj, 7 KB rows:
+//     0.73-0.85x), their lines evicted before use.
+// Always inlined: GCC (12) finds a function of prefetches alone free of side effects and drops every call to it.
+__attribute__((always_inline)) inline void prefetch_next_block(const uint8_t* block, int64_t n, int64_t row_bytes, int64_t at) {
+  if (n * row_bytes <= kSequentialPrefetchBytes) {
+    const char* next = reinterpret_cast<const char*>(block + n * (row_bytes + at));
+    for (int64_t i = 0; i < n; ++i) _mm_prefetch(next + 64 * i, _MM_HINT_T0);
+  } else {
+    const char* next = reinterpret_cast<const char*>(block + n * row_bytes + at);
+    for (int64_t i = 0; i < n; ++i) _mm_prefetch(next + i * row_bytes, _MM_HINT_T1);
+  }
+}
+#endif
 
 }  // namespace deltaserve

@@ -413,15 +413,12 @@ void int_block_avx2(const WeightPart& p, int64_t row0, const QuantizedRows& q, i
     acc = _mm_fmadd_ps(_mm_cvtepi32_ps(total), scale, acc);
   };
   const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
-  // the next block's rows prefetched into L2 a line at a time, as int_block does
-  const int64_t ahead = NO * p.row_bytes;
   __m256i dots[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                      _mm256_setzero_si256()};
+  int64_t g = 0, group_end = group;  // the group k0 is in, and its end (counted: a division per step was costly)
   for (int64_t k0 = 0; k0 < K; k0 += kAvx2Step<F>) {
     const int64_t at = k0 / kAvx2Step<F> * 32;  // (a step reads 32 bytes of each weight row)
-    if ((at & 63) == 0) {
-      for (int j = 0; j < NO; ++j) _mm_prefetch(reinterpret_cast<const char*>(rows[j] + at + ahead), _MM_HINT_T1);
-    }
+    if ((at & 63) == 0) prefetch_next_block(rows[0], NO, p.row_bytes, at);
     for (int j = 0; j < NO; ++j) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + at));
       for (int r = 0; r < R; ++r) {
@@ -439,13 +436,15 @@ void int_block_avx2(const WeightPart& p, int64_t row0, const QuantizedRows& q, i
       }
     }
     const int64_t k1 = k0 + kAvx2Step<F>;
-    if (F == Format::kInt4 && group == 32) {  // the two halves are groups k0 / 32 and k0 / 32 + 1
+    if (F == Format::kInt4 && group == 32) {  // the two halves are groups g and g + 1
       const __m256i h = half_totals4(dots);
-      add_group(k0 / 32, _mm256_castsi256_si128(h));
-      add_group(k0 / 32 + 1, _mm256_extracti128_si256(h, 1));
-    } else if (k1 % group == 0 || k1 >= K) {  // the end of a group (the last may be short)
+      add_group(g, _mm256_castsi256_si128(h));
+      add_group(g + 1, _mm256_extracti128_si256(h, 1));
+      g += 2;
+    } else if (k1 == group_end || k1 >= K) {  // the end of a group (the last may be short)
       const __m256i h = half_totals4(dots);
-      add_group(k0 / group, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+      add_group(g, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+      ++g, group_end += group;
     } else {
       continue;
     }
@@ -458,12 +457,112 @@ void int_block_avx2(const WeightPart& p, int64_t row0, const QuantizedRows& q, i
   }
 }
 
+// The weight scales of 4 rows for 8 groups from g (zeros past G), as 4 vectors of two groups' scales each:
+// pair[i] = {rows' scales of group g + 2i | of group g + 2i + 1} (bf16 widened to fp32: bits << 16).
+inline void scale_pairs(const uint16_t* const srows[4], int64_t g, int64_t G, __m256 pair[4]) {
+  __m128i s[4];
+  for (int j = 0; j < 4; ++j) {
+    if (g + 8 <= G) {
+      s[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(srows[j] + g));
+    } else {
+      alignas(16) uint16_t last[8] = {};
+      std::memcpy(last, srows[j] + g, (G - g) * sizeof(uint16_t));
+      s[j] = _mm_load_si128(reinterpret_cast<const __m128i*>(last));
+    }
+  }
+  // a 4 x 8 transpose of 16-bit scales: row-pairs interleaved by 16 bits, then those by 32
+  const __m128i lo01 = _mm_unpacklo_epi16(s[0], s[1]), lo23 = _mm_unpacklo_epi16(s[2], s[3]);
+  const __m128i hi01 = _mm_unpackhi_epi16(s[0], s[1]), hi23 = _mm_unpackhi_epi16(s[2], s[3]);
+  const __m128i by_group[4] = {_mm_unpacklo_epi32(lo01, lo23), _mm_unpackhi_epi32(lo01, lo23),
+                               _mm_unpacklo_epi32(hi01, hi23), _mm_unpackhi_epi32(hi01, hi23)};
+  for (int i = 0; i < 4; ++i) {
+    pair[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(by_group[i]), 16));
+  }
+}
+
+// int_block_avx2<F, 4, 1> for groups of 32 (the decode step's usual shape), the same sums and the same bits, with
+// less work per group: two groups' totals of the 4 outputs come out of the reduction in one vector
+// ({group g: outputs 0..3 | group g + 1: outputs 0..3}), and so do their scales, 8 groups' bf16 scales widened
+// and transposed at a time (scale_pairs), where int_block_avx2 gathers 4 scalars per group. Each group is still
+// added by its own fma, in order.
+template <Format F>
+void int_decode_avx2_g32(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_t t0, float* y) {
+  const int64_t K = p.K, G = p.groups;
+  const uint8_t* rows[4];
+  const uint16_t* srows[4];
+  for (int j = 0; j < 4; ++j) {
+    rows[j] = data_of(p) + (row0 + j) * p.row_bytes;
+    srows[j] = scales_of(p) + (row0 + j) * G;
+  }
+  const int8_t* xr = reinterpret_cast<const int8_t*>(q.bytes.data()) + t0 * K;
+  const float* sx = q.scales.data() + t0 * G;
+  const int32_t* bias = F == Format::kInt4 ? q.bias.data() + t0 * G : nullptr;
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
+  __m128 acc = _mm_setzero_ps();
+  __m256 pairs[4];
+  // groups g and g + 1 (totals t as above; `both` false: g alone, the last of an odd G)
+  const auto add_pair = [&](int64_t g, __m256i t, bool both) {
+    const __m256 sw = pairs[g % 8 / 2];
+    if constexpr (F == Format::kInt4) {
+      t = _mm256_add_epi32(t, _mm256_set_m128i(_mm_set1_epi32(both ? bias[g + 1] : 0), _mm_set1_epi32(bias[g])));
+    }
+    const __m256 sxg = _mm256_set_m128(_mm_set1_ps(both ? sx[g + 1] : 0.0f), _mm_set1_ps(sx[g]));
+    const __m256 scale = _mm256_mul_ps(sxg, sw), total = _mm256_cvtepi32_ps(t);
+    acc = _mm_fmadd_ps(_mm256_castps256_ps128(total), _mm256_castps256_ps128(scale), acc);
+    if (both) acc = _mm_fmadd_ps(_mm256_extractf128_ps(total, 1), _mm256_extractf128_ps(scale, 1), acc);
+  };
+  // the 4 outputs' dots of the 32 columns at k0 (32 bytes of each row at byte `at`), 8 int32 lanes each
+  const auto dots32 = [&](int64_t k0, int64_t at, __m256i d[4]) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + k0));
+    for (int j = 0; j < 4; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + at));
+      d[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), ones);
+    }
+  };
+  // both kinds read 64 columns, two groups, a step: int8 64 bytes of each row, int4 32
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += 64, g += 2) {
+    const int64_t at = F == Format::kInt8 ? k0 : k0 / 2;
+    if (g % 8 == 0) scale_pairs(srows, g, G, pairs);
+    if (F == Format::kInt8 || (at & 63) == 0) prefetch_next_block(rows[0], 4, p.row_bytes, at);
+    __m256i d[4];
+    if constexpr (F == Format::kInt8) {
+      dots32(k0, at, d);
+      if (k0 + 32 == K) {  // an odd G's last group
+        const __m256i h = half_totals4(d);
+        add_pair(g, _mm256_castsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))),
+                 false);
+        break;
+      }
+      __m256i e[4];
+      dots32(k0 + 32, at + 32, e);
+      // {g's sums of the low halves | g + 1's of the low halves} + {the same of the high halves}
+      const __m256i hg = half_totals4(d), hn = half_totals4(e);
+      add_pair(g, _mm256_add_epi32(_mm256_permute2x128_si256(hg, hn, 0x20), _mm256_permute2x128_si256(hg, hn, 0x31)),
+               true);
+    } else {  // each 32 bytes: the even columns' nibbles (low) and the odd ones' (high), x laid out to match
+      const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + k0));
+      const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + k0 + 32));
+      for (int j = 0; j < 4; ++j) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + at));
+        const __m256i even = _mm256_and_si256(w, nibble), odd = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        d[j] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(even, xe), _mm256_maddubs_epi16(odd, xo)),
+                                 ones);
+      }
+      add_pair(g, half_totals4(d), true);  // the low halves are group g's 32 columns, the high ones g + 1's
+    }
+  }
+  _mm_storeu_ps(y, acc);
+}
+
 // Outputs [row0, row0 + count) of part p for rows t < T of q from t0: one row 4 outputs at a time, two rows 2,
 // more one output for up to 4 rows (R x NO int32 and fp32 accumulators within 16 registers).
 template <Format F>
 void int_part_avx2(const WeightPart& p, int64_t row0, int64_t count, const QuantizedRows& q, int64_t t0, int64_t T,
                    float* y, int64_t ldy) {
   int64_t j = 0;
+  if (T == 1 && p.group == 32) {
+    for (; j + 4 <= count; j += 4) int_decode_avx2_g32<F>(p, row0 + j, q, t0, y + j);
+  }
   if (T == 1) {
     for (; j + 4 <= count; j += 4) int_block_avx2<F, 4, 1>(p, row0 + j, q, t0, y + j, ldy);
   }
