@@ -103,7 +103,8 @@ constexpr int64_t kSequentialPrefetchBytes = 8192;
 //     follow). Whole blocks of long rows prefetched as one stream were slower (bf16 down_proj, 7 KB rows:
 //     0.73-0.85x), their lines evicted before use.
 // Always inlined: GCC (12) finds a function of prefetches alone free of side effects and drops every call to it.
-__attribute__((always_inline)) inline void prefetch_next_block(const uint8_t* block, int64_t n, int64_t row_bytes, int64_t at) {
+__attribute__((always_inline)) inline void prefetch_next_block(const uint8_t* block, int64_t n, int64_t row_bytes,
+                                                                int64_t at) {
   if (n * row_bytes <= kSequentialPrefetchBytes) {
     const char* next = reinterpret_cast<const char*>(block + n * (row_bytes + at));
     for (int64_t i = 0; i < n; ++i) _mm_prefetch(next + 64 * i, _MM_HINT_T0);
