@@ -182,7 +182,8 @@ void dot_block_avx2(const WeightPart& p, int64_t row0, const float* x, int64_t K
   for (; k0 + 8 <= K; k0 += 8) {
     DS_UNROLL
     for (int j = 0; j < NO; ++j) s[j] = scale[j].at(k0);
-    if (((k0 * kBytes8 / 8) & 63) == 0) prefetch_next_block(rows[0], NO, p.row_bytes, k0 * kBytes8 / 8);
+    const int64_t at = k0 * kBytes8 / 8;  // this step's first byte of each row
+    if ((at & 63) == 0) prefetch_next_block(rows[0], NO, p.row_bytes, at);
     if constexpr (R == 1) {  // each widened row used at once: NO accumulators and few other registers
       const __m256 xv = _mm256_loadu_ps(x + k0);
       DS_UNROLL

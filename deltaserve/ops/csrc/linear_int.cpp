@@ -371,6 +371,20 @@ void int_part(const WeightPart& p, int64_t row0, int64_t count, const QuantizedR
 template <Format F>
 constexpr int64_t kAvx2Step = F == Format::kInt8 ? 32 : 64;
 
+// One step's products summed into 8 int32 lanes, exactly: int8, 32 weights (s8) by 32 q_x, 4 columns a lane;
+// int4, 32 bytes of nibbles (64 columns: the low nibbles the even ones, the high the odd) by x's even columns xe
+// and odd ones xo, 8 columns a lane.
+inline __m256i int8_step_dots(__m256i w, __m256i xv) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), _mm256_set1_epi16(1));
+}
+
+inline __m256i int4_step_dots(__m256i w, __m256i xe, __m256i xo) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i even = _mm256_and_si256(w, nibble), odd = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(even, xe), _mm256_maddubs_epi16(odd, xo)),
+                           _mm256_set1_epi16(1));
+}
+
 // The 8 int32 lanes of each of v[0..3] summed within each 128-bit half: {sum(v[0]), .., sum(v[3])} of the low
 // halves in the low half of the result, of the high halves in the high half (exact).
 inline __m256i half_totals4(const __m256i v[4]) {
@@ -412,7 +426,6 @@ void int_block_avx2(const WeightPart& p, int64_t row0, const QuantizedRows& q, i
     const __m128 scale = _mm_mul_ps(_mm_setr_ps(xs[0], xs[1], xs[2], xs[3]), _mm_setr_ps(ws[0], ws[1], ws[2], ws[3]));
     acc = _mm_fmadd_ps(_mm_cvtepi32_ps(total), scale, acc);
   };
-  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
   __m256i dots[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                      _mm256_setzero_si256()};
   int64_t g = 0, group_end = group;  // the group k0 is in, and its end (counted: a division per step was costly)
@@ -422,17 +435,14 @@ void int_block_avx2(const WeightPart& p, int64_t row0, const QuantizedRows& q, i
     for (int j = 0; j < NO; ++j) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + at));
       for (int r = 0; r < R; ++r) {
-        __m256i products;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + k0));
+        __m256i step;
         if constexpr (F == Format::kInt8) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + k0));
-          products = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
+          step = int8_step_dots(w, x0);
         } else {
-          const __m256i even = _mm256_and_si256(w, nibble), odd = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
-          const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + k0));
-          const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + k0 + 32));
-          products = _mm256_add_epi16(_mm256_maddubs_epi16(even, xe), _mm256_maddubs_epi16(odd, xo));
+          step = int4_step_dots(w, x0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r] + k0 + 32)));
         }
-        dots[r * NO + j] = _mm256_add_epi32(dots[r * NO + j], _mm256_madd_epi16(products, ones));
+        dots[r * NO + j] = _mm256_add_epi32(dots[r * NO + j], step);
       }
     }
     const int64_t k1 = k0 + kAvx2Step<F>;
@@ -497,7 +507,6 @@ void int_decode_avx2_g32(const WeightPart& p, int64_t row0, const QuantizedRows&
   const int8_t* xr = reinterpret_cast<const int8_t*>(q.bytes.data()) + t0 * K;
   const float* sx = q.scales.data() + t0 * G;
   const int32_t* bias = F == Format::kInt4 ? q.bias.data() + t0 * G : nullptr;
-  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
   __m128 acc = _mm_setzero_ps();
   __m256 pairs[4];
   // groups g and g + 1 (totals t as above; `both` false: g alone, the last of an odd G)
@@ -516,7 +525,7 @@ void int_decode_avx2_g32(const WeightPart& p, int64_t row0, const QuantizedRows&
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + k0));
     for (int j = 0; j < 4; ++j) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + at));
-      d[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), ones);
+      d[j] = int8_step_dots(w, xv);
     }
   };
   // both kinds read 64 columns, two groups, a step: int8 64 bytes of each row, int4 32
@@ -544,9 +553,7 @@ void int_decode_avx2_g32(const WeightPart& p, int64_t row0, const QuantizedRows&
       const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + k0 + 32));
       for (int j = 0; j < 4; ++j) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + at));
-        const __m256i even = _mm256_and_si256(w, nibble), odd = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
-        d[j] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(even, xe), _mm256_maddubs_epi16(odd, xo)),
-                                 ones);
+        d[j] = int4_step_dots(w, xe, xo);
       }
       add_pair(g, half_totals4(d), true);  // the low halves are group g's 32 columns, the high ones g + 1's
     }
