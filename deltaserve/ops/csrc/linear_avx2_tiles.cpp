@@ -22,29 +22,11 @@
 
 #include "linear.h"
 #include "linear_int.h"
+#include "simd.h"
 
 namespace deltaserve {
 
 namespace {
-
-// 8 x 8 32-bit words transposed: v[i] then holds word i of each of the 8 inputs.
-inline void transpose8_words(__m256i v[8]) {
-  __m256i t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
-    t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
-    v[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
-  }
-}
 
 // Columns k0 .. k0 + 32 of one stored weight row as the kernel reads them, in column order (int8: q_w; int4:
 // the nibbles q_w + 8), zero at and past K.

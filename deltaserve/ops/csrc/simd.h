@@ -40,6 +40,26 @@ inline void transpose16(__m512 r[16]) {
 #endif
 
 #if defined(DELTASERVE_AVX2)
+// 8 x 8 32-bit words transposed: v[i] then holds word i of each of the 8 inputs (linear_avx2_tiles.cpp's
+// integer tiles; linear.cpp's packed fp32 tiles, through _mm256_castps_si256)
+inline void transpose8_words(__m256i v[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    v[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
+
 // The sum of acc's 8 lanes, in one fixed order (the AVX2 kernels' accumulators).
 inline float sum8(__m256 acc) {
   const __m128 a = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
