@@ -42,7 +42,7 @@ inline void transpose16(__m512 r[16]) {
 #if defined(DELTASERVE_AVX2)
 // 8 x 8 32-bit words transposed: v[i] then holds word i of each of the 8 inputs (linear_avx2_tiles.cpp's
 // integer tiles; linear.cpp's packed fp32 tiles, through _mm256_castps_si256)
-inline void transpose8_words(__m256i v[8]) {
+__attribute__((always_inline)) inline void transpose8_words(__m256i v[8]) {
   __m256i t[8], u[8];
   for (int i = 0; i < 8; i += 2) {
     t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
