@@ -29,7 +29,7 @@ from deltaserve.engine.output_processor import OutputProcessor
 from deltaserve.engine.request import Request, RequestGroup, RequestStatus
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_params_for_vocab
-from deltaserve.engine.scheduler import Scheduler, SchedulerOutput
+from deltaserve.engine.scheduler import PREFILL, Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder
 from deltaserve.engine.spec_policy import DraftPolicy, spec_clock
 from deltaserve.engine.structured import GrammarCompiler
@@ -366,9 +366,11 @@ class LLMEngine:
                     self.requests.pop(req.request_id, None)
         for listener in self.step_listeners:
             listener(sched)
-        if self._policy is not None:
+        if self._policy is not None and all(s.kind != PREFILL for s in sched.scheduled):
             # Adaptive k weighs a step's rows against its time (spec_clock), everything but the drafting it prices
-            # apart (scheduling and output handling too: they grow with the tokens a step emits).
+            # apart (scheduling and output handling too: they grow with the tokens a step emits). Only steps of
+            # decode and verify rows, the steps it prices: a prompt chunk's rows cost otherwise than verify rows
+            # (no per-position GDN states, one sampled row).
             spent = spec_clock() - started - self.runner.spec.draft_seconds
             self._policy.record_step(sched.num_tokens, spent)
         return outputs

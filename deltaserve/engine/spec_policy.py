@@ -77,9 +77,9 @@ class AcceptanceEstimate:
 
 class CostTable:
     """Seconds against a row count: piecewise linear between measured counts and on beyond the largest
-    with the slope of the last two (no lower than flat); with one count measured, flat (an untried size
-    is assumed as cheap as the measured one, so it gets tried and measured). A count
-    measured once is not trusted while others were measured more: a first call often includes one-off
+    with the slope of the last two (no lower than the average slope from the smallest, nor than flat); with
+    one count measured, flat (an untried size is assumed as cheap as the measured one, so it gets tried and
+    measured). A count measured once is not trusted while others were measured more: a first call often includes one-off
     work (allocation, a first kernel call), and a size that looked dear once would never be tried again."""
 
     def __init__(self) -> None:
@@ -115,8 +115,12 @@ class CostTable:
         if i == len(known):
             if len(known) == 1:
                 return self.seconds[known[0]]
-            lo, hi = known[-2], known[-1]
-            slope = max((self.seconds[hi] - self.seconds[lo]) / (hi - lo), 0.0)
+            lo, hi, first = known[-2], known[-1], known[0]
+            # The last segment's slope, but no less than the average slope from the smallest count: two noisy
+            # neighbours (a 13-row step measured cheaper than a 12-row one) must not make every row past them
+            # free, or a batch of 8 would draft 24 tokens into a 32-row step priced as a 13-row one.
+            slope = max((self.seconds[hi] - self.seconds[lo]) / (hi - lo),
+                        (self.seconds[hi] - self.seconds[first]) / (hi - first), 0.0)
             return self.seconds[hi] + slope * (rows - hi)
         lo, hi = known[i - 1], known[i]
         f = (rows - lo) / (hi - lo)
@@ -196,7 +200,9 @@ class DraftPolicy:
     def choose(self, rates: list[float], caps: list[int]) -> list[int]:
         """Drafts per request for the next step. caps: the most each may draft (max_k or fewer: max_tokens,
         max_model_len, reserved blocks). Fixed k (adaptive off) drafts the caps."""
-        if not self.adaptive or not caps:
+        if not self.adaptive or not any(caps):
+            # (Nothing may draft, e.g. a request's last token: no decision, and none of the idle steps that a
+            # decision that drafting does not pay would start.)
             return list(caps)
         self.num_decisions += 1
         B = len(caps)
