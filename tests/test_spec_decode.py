@@ -193,6 +193,28 @@ def test_adaptive_speculation_is_token_for_token_plain_greedy(agreeable: Path, g
     _all_free(llm.engine)
 
 
+def test_adaptive_k_never_drafts_for_a_seeded_sampled_request(agreeable: Path) -> None:
+    """Adaptive k's choice follows the machine's timings and the drafts a request verifies change its
+    generator's draws, so a seeded sampled request gets no drafts: its tokens are the plain engine's, run
+    after run, while the greedy and unseeded requests beside it draft (costs where drafting pays)."""
+    prompts = _prompts(6, seed=7)
+    params = [SamplingParams(temperature=0.9, seed=40 + i, max_tokens=24, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.0 if i % 4 == 0 else 0.9, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
+    plain = LLM(model=str(agreeable), max_model_len=256, speculative_config=None)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model=str(agreeable), max_model_len=256, speculative_config=spec(3, adaptive=True))
+    llm.engine.runner.spec.policy.costs = MEMORY_BOUND
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for i, o in enumerate(outs):
+        if params[i].seed is not None:
+            assert (o.spec is None or o.spec.num_draft_tokens == 0) and o.outputs[0].token_ids == want[i], i
+        else:
+            assert o.spec is not None and o.spec.num_draft_tokens > 0, f"request {i} drafted nothing"
+    assert [o.outputs[0].token_ids for o in outs][0::4] == want[0::4]  # the greedy ones
+    _all_free(llm.engine)
+
+
 def test_where_drafting_does_not_pay_requests_drop_their_mtp_upkeep(agreeable: Path) -> None:
     """Adaptive k that finds drafting does not pay (compute-bound costs): a request that fills a KV block
     without drafting drops its MTP upkeep, so once every request has, steps run no MTP pass and cost what
@@ -323,7 +345,8 @@ def test_mtp_cache_gives_the_from_scratch_drafts(tmp_path: Path, damp: float, po
         engine.runner.spec.policy = EveryFourthStep(3, adaptive=True)
     prompts = _prompts(8, seed=2)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True))
+        # unseeded: adaptive k (the postponing policy) gives a seeded sampled request no drafts
+        engine.add_request(str(i), p, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True))
     held = 0  # the most MTP entries a request had postponed
     for _ in range(20):
         engine.step()

@@ -328,9 +328,12 @@ class SpecDecoder:
 
     def _num_drafts(self, e: DraftEntry) -> int:
         """k, or fewer: no more than the request may still emit minus the target's own token, no position
-        at or past max_model_len, and no draft position past the blocks the scheduler reserved."""
+        at or past max_model_len, and no draft position past the blocks the scheduler reserved. Zero for a
+        seeded sampled request under adaptive k: the drafts a request verifies change which draws its
+        generator makes, and adaptive k's choice follows the machine's timings, so its tokens would not
+        repeat from run to run as a seed promises."""
         req = e.request
-        if req.spec_lapsed:
+        if req.spec_lapsed or (self.policy.adaptive and req.params.seed is not None and not req.params.greedy):
             return 0
         k = self.k
         if req.params.max_tokens is not None:

@@ -16,8 +16,8 @@ every extra row costs nearly a decode step and k = 0 is best. So the policy meas
 Each step it gives drafts one at a time to the request whose next draft is most likely to be accepted,
 and keeps the allocation with the most expected tokens per second. Only the number of drafts changes:
 verification is the same, so greedy output is token-for-token plain greedy and sampled output keeps the
-target distribution whatever k it picks. (A seeded sampled request's draws do depend on the k it got, so
-its exact tokens depend on the measured timings; turn adaptivity off for reproducible seeded sampling.)
+target distribution whatever k it picks. (A seeded sampled request's draws do depend on the k it got, and
+the k follows the measured timings, so such a request gets no drafts: SpecDecoder._num_drafts.)
 """
 
 from __future__ import annotations
