@@ -28,6 +28,13 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def speculative_config(text: str) -> dict[str, Any] | str | None:
+    """argparse type for --speculative-config: "auto", "off", or a JSON object."""
+    if text in ("auto", "off"):
+        return None if text == "off" else text
+    return json_object(text)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags, spelled as in vLLM; shared by every subcommand that builds an engine."""
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
@@ -69,10 +76,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens between GDN snapshots of a long prompt (default 32 blocks)")
     p.add_argument(
         "--speculative-config",
-        type=json_object,
-        default=None,
-        help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\': the MTP head drafts up to 3 tokens '
-             'a step, as many as measure to pay for each request; "adaptive": false drafts 3 every step',
+        type=speculative_config,
+        default="auto",
+        help='auto (the default: adaptive MTP drafting, up to 3 tokens, for a checkpoint with an MTP head and '
+             '100M text parameters or more, else off), off, or JSON, e.g. \'{"method": "mtp", '
+             '"num_speculative_tokens": 3}\': the MTP head drafts up to 3 tokens a step, as many as measure to pay '
+             'for each request; "adaptive": false drafts 3 every step',
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)

@@ -69,7 +69,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--quantization-group-size", type=int, default=None,
                    help="columns per scale for int8 / int4 (default 32)")
     p.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--speculative", action="store_true", help="count the MTP head and its KV cache")
+    p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=None,
+                   help="count the MTP head and its KV cache (default: as the engine's speculative_config "
+                   "'auto' decides, on for a config with an MTP layer and 100M text parameters or more)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="count the GDN state snapshots of prefix caching, on by default in the engine "
                    "(4 per sequence unless --num-gdn-snapshots)")
@@ -88,6 +90,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 def run_plan(args: argparse.Namespace) -> int:
     from deltaserve.cache.sizing import default_num_snapshots
     from deltaserve.engine.planner import plan_memory
+    from deltaserve.engine.spec_default import speculates_by_default
 
     try:
         if args.num_gdn_snapshots is not None and not args.enable_prefix_caching:
@@ -112,7 +115,8 @@ def run_plan(args: argparse.Namespace) -> int:
             tp=args.tp,
             weight_dtype=args.weight_dtype,
             block_size=args.block_size,
-            with_mtp=args.speculative,
+            with_mtp=args.speculative if args.speculative is not None else speculates_by_default(
+                cfg, cfg.mtp_num_hidden_layers > 0),
             include_vision=not args.no_vision,
             dtype=args.dtype,
             model_name=name,

@@ -251,6 +251,12 @@ def test_cli_plan_known_config(capsys: pytest.CaptureFixture[str]) -> None:
                     "--kv-cache-dtype", "fp8", "--tp", "4"])
     out = capsys.readouterr().out
     assert rc == 0 and "tensor parallel 4" in out and "520 B" in out  # 256 fp8 values and a scale, K and V
+    # the engine speculates by default on a checkpoint this size (engine/spec_default.py): so does the plan
+    assert "(+ MTP layer with its own KV cache)" in out
+    assert plan_main(["plan", "--model", "qwen3.5-27b", "--no-speculative"]) == 0
+    assert "MTP layer" not in capsys.readouterr().out
+    assert plan_main(["plan"]) == 0  # the demo: too small to speculate by default
+    assert "MTP layer" not in capsys.readouterr().out
 
 
 def test_cli_plan_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

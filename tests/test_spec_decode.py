@@ -215,6 +215,36 @@ def test_adaptive_k_never_drafts_for_a_seeded_sampled_request(agreeable: Path) -
     _all_free(llm.engine)
 
 
+@pytest.mark.parametrize("has_mtp", [True, False])
+def test_auto_speculation_follows_the_checkpoint(agreeable: Path, tmp_path: Path, monkeypatch,
+                                                 has_mtp: bool) -> None:
+    """The default, "auto": adaptive MTP (up to 3 drafts) for a checkpoint with an MTP head and at least
+    AUTO_MIN_TEXT_PARAMS text parameters, off for a smaller one or one without the head; the engine's config
+    then holds what it chose. The test checkpoints are tiny, so the threshold is lowered to see "on"."""
+    from deltaserve.engine import spec_default
+
+    path = agreeable if has_mtp else save_official_layout(random_hf_model(RATIOS_27B, seed=6), tmp_path)
+    assert LLM(model=str(path), max_model_len=128).engine.config.speculative_config is None
+    monkeypatch.setattr(spec_default, "AUTO_MIN_TEXT_PARAMS", 1)
+    engine = LLM(model=str(path), max_model_len=128).engine
+    if has_mtp:
+        assert engine.config.speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
+        assert engine.runner.spec.policy.adaptive
+    else:
+        assert engine.config.speculative_config is None and engine.stats().spec is None
+    assert LLM(model=str(path), max_model_len=128, speculative_config=None).engine.stats().spec is None
+
+
+def test_auto_speculation_is_on_for_the_released_sizes_and_off_for_the_demo() -> None:
+    from deltaserve.config import ModelConfig
+    from deltaserve.engine.known_configs import known_config
+    from deltaserve.engine.spec_default import speculates_by_default
+
+    small = ModelConfig.from_dict(known_config("qwen3.5-0.8b"))
+    assert speculates_by_default(small, has_mtp=True) and not speculates_by_default(small, has_mtp=False)
+    assert not speculates_by_default(ModelConfig.from_file(DEMO_DIR), has_mtp=True)
+
+
 def test_where_drafting_does_not_pay_requests_drop_their_mtp_upkeep(agreeable: Path) -> None:
     """Adaptive k that finds drafting does not pay (compute-bound costs): a request that fills a KV block
     without drafting drops its MTP upkeep, so once every request has, steps run no MTP pass and cost what
@@ -443,7 +473,7 @@ def test_checkpoint_without_mtp_is_a_clear_error(tmp_path: Path) -> None:
         ({"method": "mtp"}, "num_speculative_tokens"),
         ({"method": "mtp", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown keys"),
         ({"method": "mtp", "num_speculative_tokens": 2, "adaptive": "yes"}, "adaptive must be true or false"),
-        ("mtp", "must be a dict"),
+        ("mtp", r'must be "auto", None \(off\) or a dict'),
     ],
 )
 def test_bad_speculative_config_names_the_field(config, match: str) -> None:
@@ -458,6 +488,9 @@ def test_cli_speculative_config_flag(capsys) -> None:
         ["generate", "--prompt", "x", "--speculative-config", '{"method":"mtp","num_speculative_tokens":3}']
     )
     assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
+    assert build_parser().parse_args(["generate", "--prompt", "x"]).speculative_config == "auto"
+    assert build_parser().parse_args(["generate", "--prompt", "x", "--speculative-config", "off"]
+                                     ).speculative_config is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--prompt", "x", "--speculative-config", "{method: mtp}"])
     assert "not valid JSON" in capsys.readouterr().err

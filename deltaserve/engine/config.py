@@ -51,9 +51,10 @@ class EngineConfig:
     mamba_block_size: int | None = None
     num_gdn_snapshots: int | None = None  # GDN snapshot pool size (default 4 * max_num_seqs)
     # {"method": "mtp", "num_speculative_tokens": k, "adaptive": True}: MTP drafting of up to k tokens per
-    # step, as many as measure to pay per request (adaptive, the default) or always k. None: off (the
-    # default; docs/benchmarks.md, "adaptive k and the default", has the measurements behind that).
-    speculative_config: dict[str, Any] | None = None
+    # step, as many as measure to pay per request (adaptive, the default) or always k. None: off. "auto" (the
+    # default): adaptive, up to 3, for a checkpoint with an MTP head whose weights stream from memory, else
+    # off (engine/spec_default.py); the engine replaces it with what it chose.
+    speculative_config: dict[str, Any] | str | None = "auto"
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
     seed: int = 0
@@ -67,8 +68,10 @@ class EngineConfig:
 
     @property
     def num_speculative_tokens(self) -> int:
-        """k drafts per step with MTP speculation, 0 without."""
+        """k drafts per step with MTP speculation, 0 without (once "auto" is resolved)."""
         spec = self.speculative_config
+        if isinstance(spec, str):
+            raise RuntimeError('speculative_config "auto" is resolved by the engine (spec_default.py) first')
         return 0 if spec is None else int(spec["num_speculative_tokens"])
 
     @property
@@ -76,7 +79,7 @@ class EngineConfig:
         """Whether each request drafts 0..k tokens per step as its measured acceptance and the measured
         step costs make pay (deltaserve/engine/spec_policy.py), rather than always k."""
         spec = self.speculative_config
-        return spec is not None and bool(spec.get("adaptive", True))
+        return self.num_speculative_tokens > 0 and bool(spec.get("adaptive", True))
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -185,11 +188,14 @@ SPEC_KEYS = ("method", "num_speculative_tokens", "adaptive")
 
 def validate_speculative_config(spec: Any) -> None:
     """{"method": "mtp", "num_speculative_tokens": k, "adaptive": true}: the model's own MTP head drafts up
-    to k tokens per step; with "adaptive" (the default) as many as pay for each request, else always k."""
+    to k tokens per step; with "adaptive" (the default) as many as pay for each request, else always k. Or
+    "auto" (engine/spec_default.py)."""
+    if spec == "auto":
+        return
     if not isinstance(spec, dict):
         raise EngineConfigError(
-            f'speculative_config must be a dict like {{"method": "mtp", "num_speculative_tokens": 2}}, '
-            f"got {type(spec).__name__} {spec!r}"
+            f'speculative_config must be "auto", None (off) or a dict like {{"method": "mtp", '
+            f'"num_speculative_tokens": 2}}, got {type(spec).__name__} {spec!r}'
         )
     unknown = sorted(set(spec) - set(SPEC_KEYS))
     if unknown:

@@ -37,7 +37,7 @@ class LLM:
         mamba_cache_mode: str = "none",
         mamba_block_size: int | None = None,
         num_gdn_snapshots: int | None = None,
-        speculative_config: dict[str, Any] | None = None,
+        speculative_config: dict[str, Any] | str | None = "auto",
         tensor_parallel_size: int = 1,
         kv_cache_dtype: str = "auto",
         kv_cache_memory: int | None = None,

@@ -6,7 +6,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_params_for_vocab
 from deltaserve.engine.scheduler import PREFILL, Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder
+from deltaserve.engine.spec_default import AUTO, resolve_speculative_config
 from deltaserve.engine.spec_policy import DraftPolicy, spec_clock
 from deltaserve.engine.structured import GrammarCompiler
 from deltaserve.engine.threads import set_compute_threads
@@ -79,6 +80,9 @@ class LLMEngine:
         set_compute_threads(config.num_threads)
         dtype = torch.float32 if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
         path = self._model_path()
+        if config.speculative_config == AUTO:  # on or off by the checkpoint: the config keeps what was chosen
+            config = self.config = replace(
+                config, speculative_config=resolve_speculative_config(AUTO, path, model))
         k = config.num_speculative_tokens
         tp = config.tensor_parallel_size
         if tp > 1:
