@@ -130,16 +130,17 @@ def test_demo_greedy_tokens_with_fp8_kv_run_fused_and_match_fp32_kv(caplog) -> N
 
 def same_up_to_a_near_tie(llm: LLM, prompt: str | list[int], want: list[int], got: list[int],
                           margin: float = DEMO_LOGITS_MAX_DIFF) -> None:
-    """Greedy tokens `got` are llm's `want`, unless they part where llm's two best tokens are closer than
-    `margin` (the other computation's logits error; by default the fp8 cache's, DEMO_LOGITS_MAX_DIFF): there
-    the other may pick the second."""
+    """Greedy tokens `got` are llm's `want`, unless they part where llm scores got's token within `margin` of
+    its best (the other computation's logits error; by default the fp8 cache's, DEMO_LOGITS_MAX_DIFF): there
+    the other may pick it. (Not only the second best: the int8 demo has a three-way tie, 0.012 and 0.019 from
+    the best, where the fused step picked the third on an AMD EPYC.)"""
     if got == want:
         return
     at = next(i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b)
-    probe = SamplingParams(temperature=0, max_tokens=1, logprobs=2)
+    probe = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
     ids = (llm.get_tokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)) + want[:at]
     [out] = llm.generate([{"prompt_token_ids": ids}], probe, use_tqdm=False)
-    top = out.outputs[0].logprobs[0]  # token id -> logprob, the two best
+    top = out.outputs[0].logprobs[0]  # token id -> logprob, the 20 best
     assert out.outputs[0].token_ids == [want[at]]
     assert got[at] in top and top[want[at]] - top[got[at]] < margin, (at, top)
 
