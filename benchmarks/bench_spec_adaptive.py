@@ -72,8 +72,13 @@ def measure(model: str | None, rounds: int, tokens: int, batches: list[int], clo
     llms = {name: LLM(model=model, max_model_len=512, max_num_seqs=8, speculative_config=spec,
                       quantization=quantization)
             for name, spec in CONFIGS.items()}
-    for llm in llms.values():  # warm up (and let the adaptive engine measure its first steps)
-        decode(llm, 1, 8)
+    # One untimed round of every batch size first: the adaptive engine learns its step and draft costs at a
+    # batch size the first time it runs it (it tries drafting there, one-off costs a running server has paid),
+    # and the rounds measure the engine after that. The learning round's speeds are printed, not tabled.
+    for batch in batches:
+        for name, llm in llms.items():
+            cpu, wall, outs = decode(llm, batch, tokens)
+            print(f"warm-up batch {batch} {name}: {len(outs) * tokens / wall:.1f} tok/s wall", flush=True)
     ratios: dict[tuple[int, str], list[float]] = {}
     rates: dict[tuple[int, str], list[float]] = {}
     drafted: dict[tuple[int, str], list[int]] = {}  # (verifies, draft tokens, accepted) over all rounds
