@@ -2,12 +2,12 @@
 checkpoint that has an MTP head and whose weights stream from memory, off for one that fits in the caches.
 
 Measured (docs/benchmarks.md, "MTP speculation pays where decode is memory-bound"): on a memory-bound
-checkpoint (the demo widened to 238M parameters) adaptive k decodes 1.6x as fast as plain decoding at
-batch 1 and as fast at batch 8; on the 7M-parameter embedded demo, whose steps are compute-bound in cache
-and last a fraction of a millisecond, it was measured slower than plain decoding ("adaptive k and the
-default"). Every released Qwen3.5 checkpoint has 0.8B parameters or more, so the size rule below only
-turns it off for toy-sized ones. Greedy output is plain greedy either way, sampled output keeps the
-target's distribution, and a seeded sampled request never drafts under adaptive k
+checkpoint (the demo widened to 238M parameters) adaptive k decoded 1.45-1.81x as fast as plain decoding
+at batch 1 and as fast at batch 8 (1 and 2 threads); on the 7M-parameter embedded demo, whose steps are
+compute-bound in cache and last a fraction of a millisecond, it was measured slower than plain decoding
+("adaptive k and the default"). Every released Qwen3.5 checkpoint has 0.8B parameters or more, so the
+size rule below only turns it off for toy-sized ones. Greedy output is plain greedy either way, sampled
+output keeps the target's distribution, and a seeded sampled request never drafts under adaptive k
 (SpecDecoder._num_drafts), so its tokens do not depend on the machine's timings."""
 
 from __future__ import annotations

@@ -79,8 +79,9 @@ class CostTable:
     """Seconds against a row count: piecewise linear between measured counts and on beyond the largest
     with the slope of the last two (no lower than the average slope from the smallest, nor than flat); with
     one count measured, flat (an untried size is assumed as cheap as the measured one, so it gets tried and
-    measured). A count measured once is not trusted while others were measured more: a first call often includes one-off
-    work (allocation, a first kernel call), and a size that looked dear once would never be tried again."""
+    measured). A count measured once is not trusted while others were measured more: a first call often
+    includes one-off work (allocation, a first kernel call), and a size that looked dear once would never be
+    tried again."""
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
