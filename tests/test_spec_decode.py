@@ -508,6 +508,29 @@ def test_demo_checkpoint_greedy_speculation_accepts_and_matches() -> None:
     assert llm.engine.stats().spec.acceptance_rate > 0.2
 
 
+@pytest.mark.skipif(not (DEMO_DIR / "model.safetensors").exists(), reason="demo checkpoint not built yet")
+def test_a_picture_in_the_prompt_keeps_greedy_speculation_plain_greedy() -> None:
+    """Every released Qwen3.5 carries a vision tower, and "auto" speculates on them: the demo (which has one)
+    with a picture mid-prompt, its merged visual tokens and 3-D positions, drafts and stays plain greedy,
+    with fixed and adaptive k."""
+    from PIL import Image, ImageDraw
+
+    from tests.test_demo_vision import data_url
+
+    image = Image.new("RGB", (224, 160), "white")
+    ImageDraw.Draw(image).ellipse((40, 30, 140, 130), fill="red")
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                             {"type": "image_url", "image_url": {"url": data_url(image)}},
+                                             {"type": "text", "text": "What shape is in the picture?"}]}]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = LLM(max_model_len=512, speculative_config=None).chat(messages, params, use_tqdm=False)[0]
+    for config in (spec(2), spec(3, adaptive=True)):
+        llm = LLM(max_model_len=512, speculative_config=config)
+        got = llm.chat(messages, params, use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids, config
+        assert llm.engine.stats().spec.num_accepted_tokens > 0, config
+
+
 def test_server_metrics_export_the_spec_counters(agreeable: Path) -> None:
     from deltaserve.serve.metrics import ServerMetrics
 
