@@ -77,7 +77,7 @@ def measure(model: str | None, rounds: int, tokens: int, batches: list[int], clo
     # and the rounds measure the engine after that. The learning round's speeds are printed, not tabled.
     for batch in batches:
         for name, llm in llms.items():
-            cpu, wall, outs = decode(llm, batch, tokens)
+            _, wall, outs = decode(llm, batch, tokens)
             print(f"warm-up batch {batch} {name}: {len(outs) * tokens / wall:.1f} tok/s wall", flush=True)
     ratios: dict[tuple[int, str], list[float]] = {}
     rates: dict[tuple[int, str], list[float]] = {}

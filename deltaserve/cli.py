@@ -30,9 +30,9 @@ def json_object(text: str) -> dict[str, Any]:
 
 def speculative_config(text: str) -> dict[str, Any] | str | None:
     """argparse type for --speculative-config: "auto", "off", or a JSON object."""
-    if text in ("auto", "off"):
-        return None if text == "off" else text
-    return json_object(text)
+    if text == "off":
+        return None
+    return text if text == "auto" else json_object(text)  # (engine.config.SPECULATION_AUTO: the parser loads no torch)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -11,6 +11,8 @@ from deltaserve.config import UnsupportedFeatureError
 from deltaserve.ops.activation_quant import resolve_activation_quantization
 from deltaserve.ops.formats import QUANTIZATIONS, WeightFormat
 
+# speculative_config's default: on or off by the checkpoint (engine/spec_default.py)
+SPECULATION_AUTO = "auto"
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
 
@@ -54,7 +56,7 @@ class EngineConfig:
     # step, as many as measure to pay per request (adaptive, the default) or always k. None: off. "auto" (the
     # default): adaptive, up to 3, for a checkpoint with an MTP head whose weights stream from memory, else
     # off (engine/spec_default.py); the engine replaces it with what it chose.
-    speculative_config: dict[str, Any] | str | None = "auto"
+    speculative_config: dict[str, Any] | str | None = SPECULATION_AUTO
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
     seed: int = 0
@@ -70,7 +72,7 @@ class EngineConfig:
     def num_speculative_tokens(self) -> int:
         """k drafts per step with MTP speculation, 0 without (once "auto" is resolved)."""
         spec = self.speculative_config
-        if isinstance(spec, str):
+        if spec == SPECULATION_AUTO:
             raise RuntimeError('speculative_config "auto" is resolved by the engine (spec_default.py) first')
         return 0 if spec is None else int(spec["num_speculative_tokens"])
 
@@ -190,7 +192,7 @@ def validate_speculative_config(spec: Any) -> None:
     """{"method": "mtp", "num_speculative_tokens": k, "adaptive": true}: the model's own MTP head drafts up
     to k tokens per step; with "adaptive" (the default) as many as pay for each request, else always k. Or
     "auto" (engine/spec_default.py)."""
-    if spec == "auto":
+    if spec == SPECULATION_AUTO:
         return
     if not isinstance(spec, dict):
         raise EngineConfigError(

@@ -18,7 +18,7 @@ from deltaserve.cache.sizing import CacheOptions, CacheSizeError, plan_cache
 from deltaserve.cache.snapshots import SnapshotPool, SnapshotStore
 from deltaserve.cache.tensors import allocate_cache, kv_cache_torch_dtype
 from deltaserve.config import ModelConfig
-from deltaserve.engine.config import EngineConfig, EngineConfigError
+from deltaserve.engine.config import SPECULATION_AUTO, EngineConfig, EngineConfigError
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.encoder_cache import EncoderCache, encoder_cache_tokens
 from deltaserve.engine.image_processor import ImageProcessor
@@ -31,7 +31,7 @@ from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import Sampler, make_sampling_state, validate_params_for_vocab
 from deltaserve.engine.scheduler import PREFILL, Scheduler, SchedulerOutput
 from deltaserve.engine.spec_decode import SpecDecoder
-from deltaserve.engine.spec_default import AUTO, resolve_speculative_config
+from deltaserve.engine.spec_default import auto_speculative_config
 from deltaserve.engine.spec_policy import DraftPolicy, spec_clock
 from deltaserve.engine.structured import GrammarCompiler
 from deltaserve.engine.threads import set_compute_threads
@@ -80,9 +80,8 @@ class LLMEngine:
         set_compute_threads(config.num_threads)
         dtype = torch.float32 if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
         path = self._model_path()
-        if config.speculative_config == AUTO:  # on or off by the checkpoint: the config keeps what was chosen
-            config = self.config = replace(
-                config, speculative_config=resolve_speculative_config(AUTO, path, model))
+        if config.speculative_config == SPECULATION_AUTO:  # by the checkpoint; the config keeps what was chosen
+            config = self.config = replace(config, speculative_config=auto_speculative_config(path, model))
         k = config.num_speculative_tokens
         tp = config.tensor_parallel_size
         if tp > 1:

@@ -291,6 +291,11 @@ def weight_parts(
 
 
 # ---- the plan ------------------------------------------------------------------------------------------
+def text_parts(parts: list[WeightPart]) -> list[WeightPart]:
+    """The text model's parts among weight_parts: the MTP head and vision tower aside."""
+    return [p for p in parts if p.name not in ("MTP", "vision tower")]
+
+
 @dataclass(slots=True)
 class MemoryPlan:
     tp: int
@@ -419,8 +424,7 @@ def plan_memory(
         encoder_bytes = encoder_tokens * cfg.vision.out_hidden_size * DTYPE_BYTES[model_dtype]
 
     by_name = {p.name: p for p in parts}
-    text_parts = [p for p in parts if p.name not in ("MTP", "vision tower")]
-    text_params = sum(p.total_params for p in text_parts)
+    text = text_parts(parts)
     plan = MemoryPlan(
         tp=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs, block_size=block_size,
         with_mtp=with_mtp, model_dtype=model_dtype, weight_dtype=wdtype, kv_cache_dtype=kv_dtype,
@@ -436,9 +440,9 @@ def plan_memory(
         num_gdn_snapshots=num_gdn_snapshots, gdn_snapshot_bytes=per_seq * num_gdn_snapshots,
         max_num_batched_tokens=max_num_batched_tokens, encoder_tokens_per_image=per_image,
         encoder_cache_tokens=encoder_tokens, encoder_cache_bytes=encoder_bytes,
-        weight_parts=parts, weight_bytes=weight_bytes, quantization=quantization or "", text_params=text_params,
-        active_weight_bytes=active_bytes,
-        active_params=sum(p.count * p.active_params for p in text_parts),
+        weight_parts=parts, weight_bytes=weight_bytes, quantization=quantization or "",
+        text_params=sum(p.total_params for p in text), active_weight_bytes=active_bytes,
+        active_params=sum(p.count * p.active_params for p in text),
         mtp_params=by_name["MTP"].total_params if "MTP" in by_name else 0,
         vision_params=by_name["vision tower"].total_params if "vision tower" in by_name else 0,
         model_name=model_name,

@@ -19,12 +19,11 @@ from typing import Any
 import torch
 
 from deltaserve.config import ModelConfig
-from deltaserve.engine.planner import weight_parts
+from deltaserve.engine.planner import text_parts, weight_parts
 from deltaserve.model.loader import checkpoint_files
 
 log = logging.getLogger(__name__)
 
-AUTO = "auto"
 # What "auto" turns on: up to 3 drafts a step, as many as measure to pay for each request.
 AUTO_SPECULATIVE_CONFIG = {"method": "mtp", "num_speculative_tokens": 3}
 # A text model smaller than this (200 MB in bf16, 50 MB in int4) may sit in a server CPU's last-level cache
@@ -32,23 +31,16 @@ AUTO_SPECULATIVE_CONFIG = {"method": "mtp", "num_speculative_tokens": 3}
 AUTO_MIN_TEXT_PARAMS = 100_000_000
 
 
-def text_params(cfg: ModelConfig) -> int:
-    """Parameters of the text model, MTP head and vision tower aside (the planner's count)."""
-    return sum(p.total_params for p in weight_parts(cfg, include_vision=False) if p.name not in ("MTP", "vision tower"))
-
-
 def speculates_by_default(cfg: ModelConfig, has_mtp: bool) -> bool:
     """Whether "auto" turns speculation on: an MTP head and at least AUTO_MIN_TEXT_PARAMS text parameters."""
-    return has_mtp and text_params(cfg) >= AUTO_MIN_TEXT_PARAMS
+    if not has_mtp:
+        return False
+    return sum(p.total_params for p in text_parts(weight_parts(cfg, include_vision=False))) >= AUTO_MIN_TEXT_PARAMS
 
 
-def resolve_speculative_config(spec: dict[str, Any] | str | None, path: Path,
-                               model: torch.nn.Module | None = None) -> dict[str, Any] | None:
-    """The speculative config the engine runs: spec itself unless it is "auto"; for "auto",
-    AUTO_SPECULATIVE_CONFIG where speculates_by_default says so for the checkpoint (or the model given
-    instead of it), else None (off)."""
-    if spec != AUTO:
-        return spec
+def auto_speculative_config(path: Path, model: torch.nn.Module | None = None) -> dict[str, Any] | None:
+    """What "auto" runs: AUTO_SPECULATIVE_CONFIG where speculates_by_default says so for the checkpoint (or
+    the model given instead of it), else None (off)."""
     if model is not None:
         cfg, has_mtp = model.config, getattr(model, "mtp", None) is not None
     else:
