@@ -276,16 +276,14 @@ void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_
   // scales.
   __m512 window[NO];
   int64_t gw = -16;
-  // While a block streams its NO weight rows, the same lines of the next block's rows are prefetched into L2,
-  // once per line, as dot_block does (NO interleaved streams, which the hardware prefetcher does not keep
-  // ahead), whatever the rows' length (int8, N = 1024, K = 3584, one row: 13 -> 16 GB/s with it for long rows,
-  // on an AMD EPYC).
-  const int64_t ahead = NO * p.row_bytes, cols = chunk_columns(F);
+  // While a block streams its NO weight rows, the next block is prefetched at the same pace
+  // (prefetch_next_block: one stream for a small block, else each row's line into L2; for long rows, int8,
+  // N = 1024, K = 3584, one row, the lines gave 13 -> 16 GB/s on an AMD EPYC). A chunk's weights are one
+  // 64-byte line of each row.
+  const int64_t cols = chunk_columns(F);
   for (int64_t c = 0; c < C; ++c) {
     const int64_t k0 = cols * c, g0 = k0 / p.group;
-    for (int j = 0; j < NO; ++j) {  // a chunk's weights are one 64-byte line of each row
-      _mm_prefetch(reinterpret_cast<const char*>(rows[j] + k0 * 64 / cols + ahead), _MM_HINT_T1);
-    }
+    prefetch_next_block(rows[0], NO, p.row_bytes, 64 * c);
     if (g0 - gw > 16 - q.span) {
       gw = g0;
       const __mmask16 have = p.groups - gw >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (p.groups - gw)) - 1);
