@@ -31,7 +31,7 @@ def test_round_to_bf16_rounds_to_nearest_even() -> None:
     assert torch.equal(got[:5], torch.tensor([1.0, 1.0, 1.0 + 2**-6, -2.0**-130, float("inf")]))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 20, 21, 64, 130])
+@pytest.mark.parametrize("rows", [1, 3, 20, 21, 64, 130, 520])  # 130, 520: past a pass of 128, 512 rows
 def test_projection_reads_rows_rounded_to_bf16(ext, rows: int) -> None:
     """bf16 weights (the dot kernel up to DOT_ROWS rows, the bf16-pair kernel past them where the build has
     AVX512-BF16) and a projection mixing bf16 and fp32 parts (every part reads the rounded rows): each

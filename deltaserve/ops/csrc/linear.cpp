@@ -827,29 +827,38 @@ void tile_rows_pairs(const uint32_t* x, int64_t ldx, int64_t np, const uint32_t*
 }
 #endif
 
-// Rows [r0, r1) of x times panel p's outputs, into out (ld ldo), through the packed kernel.
+// Rows [r0, r1) of x times panel p's outputs, into out (ld ldo), through the packed kernel. x_pairs: rows
+// [r0, r1) of x as bf16 pairs (pairs_of over all of K, ld_pairs words apart; row r0 first) when the caller
+// converted them once for all its panels (bf16 activations), else null.
 void packed_panel(const Linear& l, const float* x, int64_t r0, int64_t r1, int64_t n0, int64_t ncols, float* tile,
-                  float* out, int64_t ldo) {
+                  float* out, int64_t ldo, const uint32_t* x_pairs = nullptr, int64_t ld_pairs = 0) {
   const int64_t K = l.K;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if (l.bf16_activations && bf16_outputs(l, n0, ncols)) {  // bf16 x bf16 pairs (the tile's fp32 room holds them)
     bf16_panels.fetch_add(1, std::memory_order_relaxed);
     uint32_t* tile32 = reinterpret_cast<uint32_t*>(tile);
-    thread_local std::vector<uint32_t> xp;  // 6 rows' pairs of one K block
+    thread_local std::vector<uint32_t> xp;  // 6 rows' pairs of one K block (x_pairs null)
     for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
       const int64_t kb = std::min(kKBlock, K - k0), np = (kb + 1) / 2;
       pack_tile_pairs(l, n0, ncols, k0, kb, tile32);
-      xp.resize(6 * np);
+      xp.resize(x_pairs == nullptr ? 6 * np : 0);
       for (int64_t t = r0; t < r1; t += 6) {
         const int64_t rows = std::min<int64_t>(6, r1 - t);
-        for (int64_t r = 0; r < rows; ++r) pairs_of(x + (t + r) * K + k0, kb, xp.data() + r * np);
+        const uint32_t* pairs = x_pairs + (t - r0) * ld_pairs + k0 / 2;  // (k0 is even)
+        int64_t ld = ld_pairs;
+        if (x_pairs == nullptr) {
+          for (int64_t r = 0; r < rows; ++r) pairs_of(x + (t + r) * K + k0, kb, xp.data() + r * np);
+          pairs = xp.data(), ld = np;
+        }
         with_rows<6>(rows, [&](auto R) {
-          tile_rows_pairs<decltype(R)::value>(xp.data(), np, np, tile32, out + (t - r0) * ldo, ldo, ncols, k0 > 0);
+          tile_rows_pairs<decltype(R)::value>(pairs, ld, np, tile32, out + (t - r0) * ldo, ldo, ncols, k0 > 0);
         });
       }
     }
     return;
   }
+#else
+  (void)x_pairs, (void)ld_pairs;
 #endif
 #if defined(__AVX512F__)
   if (bf16_outputs(l, n0, ncols)) {  // the tile in bf16 (the tile's fp32 room holds it)
@@ -894,10 +903,10 @@ void dot_outputs(const Linear& l, const float* x, int64_t T, int64_t n0, int64_t
 }  // namespace
 
 void project_panel(const Linear& l, const float* x, int64_t rows, int64_t n0, int64_t ncols, bool packed,
-                   std::vector<float>& tile, float* out, int64_t ldo) {
+                   std::vector<float>& tile, float* out, int64_t ldo, const uint32_t* x_pairs, int64_t ld_pairs) {
   if (!packed) return dot_outputs(l, x, rows, n0, ncols, out, ldo);
   tile.resize(std::min(kKBlock, l.K) * kPanel);
-  packed_panel(l, x, 0, rows, n0, ncols, tile.data(), out, ldo);
+  packed_panel(l, x, 0, rows, n0, ncols, tile.data(), out, ldo, x_pairs, ld_pairs);
 }
 
 namespace {
@@ -920,11 +929,24 @@ void project_rows(const Linear& l, const float* xp, int64_t R0, int64_t R1, cons
   if (T <= 0) return;
   const bool packed = packed_rows(T);
   // rows per pass over the weights
-  const int64_t block = int8_rows.tiled() ? kAmxRowBlock : packed || int8_rows.defined() ? kRowBlock : T;
+  const int64_t block = int8_rows.tiled()     ? kAmxRowBlock
+                        : int8_rows.defined() ? kRowBlock
+                        : packed              ? kPackedRowBlock
+                                              : T;
   std::vector<float> best_value(argmax == nullptr ? 0 : T * P);  // [T, P]: each row's best in each panel
   std::vector<int64_t> best_column(best_value.size());
+  // bf16 activations through the packed kernel: each row block's rows converted to bf16 pairs once, for all
+  // its panels (converting them per panel cost about a tenth of the kernel's time)
+  const int64_t ld_pairs = (K + 1) / 2;
+  std::vector<uint32_t> x_pairs;
   for (int64_t r0 = R0; r0 < R1; r0 += block) {
     const int64_t r1 = std::min(R1, r0 + block);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (packed && l.bf16_activations && !int8_rows.defined()) {
+      x_pairs.resize((r1 - r0) * ld_pairs);
+      for (int64_t r = r0; r < r1; ++r) pairs_of(xp + r * K, K, x_pairs.data() + (r - r0) * ld_pairs);
+    }
+#endif
     at::parallel_for(0, P, grain_for((r1 - r0) * K * kPanel), [&](int64_t p0, int64_t p1) {
       std::vector<float> tile;
       std::vector<float> local(yp == nullptr ? (r1 - r0) * kPanel : 0);  // the panel's outputs, for argmax
@@ -935,7 +957,8 @@ void project_rows(const Linear& l, const float* xp, int64_t R0, int64_t R1, cons
         if (int8_rows.defined()) {
           int_panel(l, int8_rows, xp, r0, r1, n0, ncols, packed, tile, out, ldo);
         } else {
-          project_panel(l, xp + r0 * K, r1 - r0, n0, ncols, packed, tile, out, ldo);
+          project_panel(l, xp + r0 * K, r1 - r0, n0, ncols, packed, tile, out, ldo,
+                        x_pairs.empty() ? nullptr : x_pairs.data(), ld_pairs);
         }
         for (int64_t r = 0; yp == nullptr && r < r1 - r0; ++r) {
           const int64_t at = first_argmax(out + r * kPanel, ncols);
