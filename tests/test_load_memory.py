@@ -61,3 +61,26 @@ def test_resident_memory_is_the_weights_once(checkpoint, quantization):
     assert m["weights"] > (250 if quantization == "none" else 150) * 2**20  # a checkpoint of a real size
     assert m["peak"] <= bound, m
     assert m["steady"] <= bound, m
+
+
+IDLE = """
+import ctypes, json
+from deltaserve import LLM, SamplingParams
+rss = lambda: int([l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]) * 1024
+llm = LLM(max_num_batched_tokens=4096, max_num_seqs=16)
+prompts = [{"prompt_token_ids": [(7 * i + 13 * r) % 500 + 10 for i in range(1000)]} for r in range(4)]
+llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+idle = rss()
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+print(json.dumps({"idle": idle, "trimmed": rss()}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_an_idle_engine_holds_no_freed_heap():
+    """The fused step keeps a step's freed activations on the heap while steps run (csrc/parallel.h); once the
+    engine has nothing to run it hands them back (loader.release_idle_heap). Four 1000-token prompts in one
+    4000-token step on the demo left ~20 MB of freed heap resident before; an explicit trim now finds none."""
+    out = subprocess.run([sys.executable, "-c", IDLE], capture_output=True, text=True, check=True)
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    assert m["idle"] - m["trimmed"] < 2 * 2**20, m

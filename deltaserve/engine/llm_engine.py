@@ -37,7 +37,7 @@ from deltaserve.engine.structured import GrammarCompiler
 from deltaserve.engine.threads import set_compute_threads
 from deltaserve.executor import make_executor, start_tensor_parallel
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
-from deltaserve.model.loader import load_model
+from deltaserve.model.loader import load_model, release_idle_heap
 from deltaserve.model.sharding import rank_config
 from deltaserve.outputs import RequestOutput, SpecDecodeMetrics
 from deltaserve.sampling import SamplingParams
@@ -376,6 +376,8 @@ class LLMEngine:
             # (no per-position GDN states, one sampled row).
             spent = spec_clock() - started - self.runner.spec.draft_seconds
             self._policy.record_step(sched.num_tokens, spent)
+        if not self.has_unfinished_requests():
+            release_idle_heap()  # idle: the steps' freed activations go back to the system
         return outputs
 
     @property
