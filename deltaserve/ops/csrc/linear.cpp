@@ -844,11 +844,12 @@ void packed_panel(const Linear& l, const float* x, int64_t r0, int64_t r1, int64
       xp.resize(x_pairs == nullptr ? 6 * np : 0);
       for (int64_t t = r0; t < r1; t += 6) {
         const int64_t rows = std::min<int64_t>(6, r1 - t);
-        const uint32_t* pairs = x_pairs + (t - r0) * ld_pairs + k0 / 2;  // (k0 is even)
-        int64_t ld = ld_pairs;
-        if (x_pairs == nullptr) {
+        const uint32_t* pairs = xp.data();
+        int64_t ld = np;
+        if (x_pairs != nullptr) {
+          pairs = x_pairs + (t - r0) * ld_pairs + k0 / 2, ld = ld_pairs;  // (k0 is even)
+        } else {
           for (int64_t r = 0; r < rows; ++r) pairs_of(x + (t + r) * K + k0, kb, xp.data() + r * np);
-          pairs = xp.data(), ld = np;
         }
         with_rows<6>(rows, [&](auto R) {
           tile_rows_pairs<decltype(R)::value>(pairs, ld, np, tile32, out + (t - r0) * ldo, ldo, ncols, k0 > 0);
