@@ -1,5 +1,6 @@
 #include "stack.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <string>
@@ -15,6 +16,9 @@
 namespace deltaserve {
 
 namespace {
+
+// A dense MLP takes a prompt chunk's rows this many at a time, at most (FusedStack::forward).
+constexpr int64_t kMlpRowBlock = 512;
 
 std::string shape_text(const std::vector<int64_t>& shape) {
   std::string out = "[";
@@ -347,18 +351,27 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> FusedSt
       x.add_(moe);
       continue;
     }
-    at::Tensor gu = project(l.gate_up_w, rms_norm_rows(x, l.post_scale, d_.eps));  // [rows, 2I]
-    const int64_t I = d_.intermediate, rows = x.size(0);
-    at::Tensor act = at::empty({rows, I}, x.options());
-    const float* gp = gu.data_ptr<float>();
-    float* ap = act.data_ptr<float>();
-    for (int64_t t = 0; t < rows; ++t) {
+    // The MLP over equal blocks of at most kMlpRowBlock rows: its [rows, 2I] and [rows, I] activations are a
+    // prompt chunk's largest, and the projections pass over their weights per 512 rows anyway
+    // (kPackedRowBlock, kAmxRowBlock). Every block has over kDotRows rows when there are several, so each
+    // row's numbers are those of one call.
+    const int64_t I = d_.intermediate, T = x.size(0), blocks = std::max<int64_t>(1, (T + kMlpRowBlock - 1) / kMlpRowBlock);
+    for (int64_t r0 = 0, per = (T + blocks - 1) / blocks; r0 < T; r0 += per) {
+      at::Tensor xr = x.narrow(0, r0, std::min(per, T - r0));
+      at::Tensor gu = project(l.gate_up_w, rms_norm_rows(xr, l.post_scale, d_.eps));  // [rows, 2I]
+      const int64_t rows = xr.size(0);
+      at::Tensor act = at::empty({rows, I}, x.options());
+      const float* gp = gu.data_ptr<float>();
+      float* ap = act.data_ptr<float>();
+      for (int64_t t = 0; t < rows; ++t) {
 #pragma omp simd
-      for (int64_t j = 0; j < I; ++j) ap[t * I + j] = silu(gp[t * 2 * I + j]) * gp[t * 2 * I + I + j];
+        for (int64_t j = 0; j < I; ++j) ap[t * I + j] = silu(gp[t * 2 * I + j]) * gp[t * 2 * I + I + j];
+      }
+      gu = at::Tensor();  // (freed before down's output is allocated)
+      at::Tensor down = project(l.down_w, act);
+      reduce(down);
+      xr.add_(down);
     }
-    at::Tensor down = project(l.down_w, act);
-    reduce(down);
-    x.add_(down);
   }
   return {rms_norm_rows(x, final_scale_, d_.eps), spec_conv, spec_ssm};
 }
