@@ -831,7 +831,7 @@ void tile_rows_pairs(const uint32_t* x, int64_t ldx, int64_t np, const uint32_t*
 // [r0, r1) of x as bf16 pairs (pairs_of over all of K, ld_pairs words apart; row r0 first) when the caller
 // converted them once for all its panels (bf16 activations), else null.
 void packed_panel(const Linear& l, const float* x, int64_t r0, int64_t r1, int64_t n0, int64_t ncols, float* tile,
-                  float* out, int64_t ldo, const uint32_t* x_pairs = nullptr, int64_t ld_pairs = 0) {
+                  float* out, int64_t ldo, const uint32_t* x_pairs, int64_t ld_pairs) {
   const int64_t K = l.K;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if (l.bf16_activations && bf16_outputs(l, n0, ncols)) {  // bf16 x bf16 pairs (the tile's fp32 room holds them)

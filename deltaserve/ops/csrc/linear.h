@@ -54,10 +54,12 @@ constexpr int64_t kPanel = 64;
 // and 20 rows (1.1-4.4x, in_proj, gate_up, down_proj, 1 thread, a loaded machine) and not at 24 (0.84-0.98x).
 constexpr int64_t kDotRows = 20;
 constexpr int64_t kKBlock = 1024;
-constexpr int64_t kRowBlock = 128;  // rows of x (x K floats, 512 KB at K = 1024) kept in L2 while tiles pass
+// Rows of x per pass over the weights (x K floats, 512 KB at K = 1024, kept in L2 while tiles pass): int8
+// activation rows outside the tile kernels, and the packed kernel's where kPackedRowBlock says so.
+constexpr int64_t kRowBlock = 128;
 // Rows of x per pass of the packed kernel over a projection's panels: each pass packs every panel's tiles
 // again. AVX-512 (an AMD EPYC Zen 4, 1 MB L2, 1 thread, 512 rows, the 0.8B's projections): 512 rows a pass
-// against 128 gave the fp32 rows 1.06-1.07x and the bf16 pairs 1.14-1.25x (x read from L3 costs less than
+// against 128 gave the fp32 rows 1.06-1.08x and the bf16 pairs 1.06-1.10x (x read from L3 costs less than
 // packing the tiles four times). Other builds keep 128 (not measured; a Zen 3's L2 holds 512 KB).
 #if defined(__AVX512F__)
 constexpr int64_t kPackedRowBlock = 512;

@@ -60,8 +60,8 @@ void masked_argmax(const Linear& lm, const at::Tensor& h, const int32_t* allowed
         for (int64_t w = w0; w <= w1; ++w) any = any || bits[t * words + w] != 0;
         if (any) rows.push_back(t);
       }
-      for (size_t b0 = 0; b0 < rows.size(); b0 += kRowBlock) {  // as many rows as apply() takes at once
-        const int64_t n = std::min<int64_t>(kRowBlock, rows.size() - b0);
+      for (size_t b0 = 0; b0 < rows.size(); b0 += kPackedRowBlock) {  // as many rows as apply() takes at once
+        const int64_t n = std::min<int64_t>(kPackedRowBlock, rows.size() - b0);
         out.resize(n * kPanel);
         const float* rows_x = hp + rows[b0] * K;
         if (rows[b0 + n - 1] - rows[b0] != n - 1) {  // not consecutive rows of h: gather them
