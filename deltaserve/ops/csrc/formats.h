@@ -24,6 +24,11 @@ enum class Format { kFloat32, kBFloat16, kFp8, kInt8, kInt4 };
 // the quantized formats, scales [rows, ceil(K/group)] (fp8: fp32; int8, int4: bf16). Read where they are.
 struct WeightPart {
   at::Tensor data, scale;  // scale undefined unless quantized
+  // Their first bytes (scales null unless quantized), taken once by make_part: the kernels start a block of
+  // a few outputs thousands of times a step, and Tensor::data_ptr()'s checks there cost 5% of a sparse-MoE
+  // decode step (perf, the int4 bench_moe checkpoint).
+  const uint8_t* bytes = nullptr;
+  const void* scales = nullptr;
   Format format = Format::kFloat32;
   int64_t rows = 0, K = 0, group = 0;
   int64_t row_bytes = 0;  // bytes from one row of data to the next

@@ -64,6 +64,7 @@ WeightPart make_part(const at::Tensor& data, const at::Tensor& scale, Format for
               " columns, got ", data.size(1));
   WeightPart p;
   p.data = data, p.format = format, p.rows = data.size(0), p.K = K;
+  p.bytes = static_cast<const uint8_t*>(data.data_ptr());
   p.row_bytes = columns * static_cast<int64_t>(data.element_size());
   if (!quantized(format)) {
     TORCH_CHECK(!scale.defined(), what, ": the ", format_name(format), " format has no scale");
@@ -80,6 +81,7 @@ WeightPart make_part(const at::Tensor& data, const at::Tensor& scale, Format for
   TORCH_CHECK(scale.scalar_type() == scale_dtype, what, ": ", format_name(format), " scales are ", scale_dtype,
               ", got ", scale.scalar_type());
   p.scale = scale;
+  p.scales = scale.data_ptr();
   return p;
 }
 
@@ -102,8 +104,8 @@ Linear make_linear(std::vector<WeightPart> parts, bool int8_activations, bool bf
 
 namespace {
 
-const uint8_t* bytes_of(const WeightPart& p) { return static_cast<const uint8_t*>(p.data.data_ptr()); }
-const void* scales_of(const WeightPart& p) { return p.scale.defined() ? p.scale.data_ptr() : nullptr; }
+const uint8_t* bytes_of(const WeightPart& p) { return p.bytes; }
+const void* scales_of(const WeightPart& p) { return p.scales; }
 
 // ---- the dot-product kernel: R rows of x times NO consecutive weight rows of one part ----------------------
 // The loops over a block's rows and outputs unrolled completely, so that its R x NO accumulators stay in

@@ -59,7 +59,7 @@ inline __m256i weights32(const WeightPart& p, const uint8_t* row, int64_t k0) {
 // (column tile ct's bytes of columns k .. k + 3 at b + ct * 8 * ld + k * 8), zero past count and K (ld: a
 // multiple of 4, at least K); and their scales sw [groups][64] in fp32 (0 past count).
 void pack_panel_avx2(const WeightPart& p, int64_t row0, int64_t count, int64_t ld, uint8_t* b, float* sw) {
-  const uint8_t* data = static_cast<const uint8_t*>(p.data.data_ptr());
+  const uint8_t* data = p.bytes;
   for (int64_t ct = 0; ct < 8; ++ct) {
     uint8_t* bt = b + ct * 8 * ld;
     if (ct * 8 >= count) {

@@ -174,8 +174,8 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
   }
 }
 
-const uint8_t* data_of(const WeightPart& p) { return static_cast<const uint8_t*>(p.data.data_ptr()); }
-const uint16_t* scales_of(const WeightPart& p) { return static_cast<const uint16_t*>(p.scale.data_ptr()); }
+const uint8_t* data_of(const WeightPart& p) { return p.bytes; }
+const uint16_t* scales_of(const WeightPart& p) { return static_cast<const uint16_t*>(p.scales); }
 
 // The plain path (any group; builds without AVX512-VNNI): outputs j < count of part p from local row row0, for
 // rows t < T of q from t0, group by group: y = sum over groups of float(int32 dot) x (scale_x x scale_w).

@@ -40,7 +40,7 @@ inline __m512i signed_weights64(const WeightPart& p, const uint8_t* row, int64_t
 }  // namespace
 
 void pack_panel(const WeightPart& p, int64_t row0, int64_t count, int64_t ld, int8_t* b, float* sw) {
-  const uint8_t* data = static_cast<const uint8_t*>(p.data.data_ptr());
+  const uint8_t* data = p.bytes;
   for (int64_t ct = 0; ct < 4; ++ct) {
     int8_t* bt = b + ct * 16 * ld;
     if (ct * 16 >= count) {
@@ -62,7 +62,7 @@ void pack_panel(const WeightPart& p, int64_t row0, int64_t count, int64_t ld, in
 #endif
 
 void pack_panel_scales(const WeightPart& p, int64_t row0, int64_t count, float* sw) {
-  const uint16_t* scales = static_cast<const uint16_t*>(p.scale.data_ptr());
+  const uint16_t* scales = static_cast<const uint16_t*>(p.scales);
   for (int64_t g = 0; g < p.groups; ++g) {
     for (int64_t j = 0; j < 64; ++j) sw[g * 64 + j] = j < count ? bf16_to_float(scales[(row0 + j) * p.groups + g]) : 0.0f;
   }
