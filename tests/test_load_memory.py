@@ -27,7 +27,8 @@ weights = sum(p.numel() * p.element_size() for p in model.parameters())
 gc.collect()
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
 kib = lambda key: int(status[key].split()[0]) * 1024
-print(json.dumps({"weights": weights, "peak": kib("VmHWM"), "steady": kib("VmRSS")}))
+print(json.dumps({"weights": weights, "peak": kib("VmHWM"), "steady": kib("VmRSS"),
+                  "dynamo": "torch._dynamo" in sys.modules}))
 """
 
 
@@ -61,6 +62,7 @@ def test_resident_memory_is_the_weights_once(checkpoint, quantization):
     assert m["weights"] > (250 if quantization == "none" else 150) * 2**20  # a checkpoint of a real size
     assert m["peak"] <= bound, m
     assert m["steady"] <= bound, m
+    assert not m["dynamo"]  # torch's compiler, 72 MB resident: nothing in a load needs it (gdn.py's A_log)
 
 
 IDLE = """

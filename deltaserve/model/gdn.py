@@ -46,7 +46,10 @@ class GatedDeltaNet(nn.Module):
             self.conv_dim, self.conv_dim, self.kernel_size, groups=self.conv_dim, bias=False
         )
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
-        self.A_log = nn.Parameter(torch.empty(self.num_v_heads).uniform_(0.01, 16).log())
+        # log U(0.01, 16), as transformers initialises it; not on the meta device, where the loader builds the
+        # model (shapes only): torch's log there imports torch._dynamo, 72 MB resident and a second of start-up.
+        a = torch.empty(self.num_v_heads).uniform_(0.01, 16)
+        self.A_log = nn.Parameter(a if a.is_meta else a.log())
         self.norm = GatedRMSNorm(self.head_v_dim, eps=cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, H)
 
