@@ -211,6 +211,41 @@ def assert_steps_match(ref_model, model, ext, prompt_attention: str, tol: float 
 
 
 @torch.inference_mode()
+def test_a_step_of_many_sequences_runs_its_gdn_layers_in_blocks(model, ext) -> None:
+    """Past 512 rows a step's GDN layers take its sequences in blocks of about 512 rows (stack.cpp
+    sequence_blocks): here [0, 3) (351 rows), [3, 5) with a verify segment, and a 600-token prompt with the 9-row
+    last block it takes in. The Python model runs the whole step at once: each sequence reads and writes its
+    own state slot, the verify segment's states land in its row, whichever block it is in."""
+    lens = [(200, 0), (150, 7), (1, 12), (300, 0), (4, 30), (600, 0), (9, 3)]
+    verify = [False, False, False, False, True, False, False]
+    width = 40  # blocks of 16 tokens per sequence: room for 640
+    caches = []
+    for _ in range(2):
+        cache = allocate_cache(model.config, num_blocks=width * len(lens), block_size=BLOCK, num_slots=len(lens))
+        g = torch.Generator().manual_seed(8)
+        for t in [*cache.conv.values(), *cache.ssm.values()]:
+            t.copy_(torch.randn(t.shape, generator=g))
+        caches.append(cache)
+    ref_cache, fused_cache = caches
+    tables = [list(range(width * b, width * (b + 1))) for b in range(len(lens))]
+
+    def step_context(cache):
+        return ForwardContext.paged(cache, [q for q, _ in lens], [c for _, c in lens], tables,
+                                    list(range(len(lens))), verify)
+
+    ids = torch.randint(0, model.config.vocab_size, (sum(q for q, _ in lens),), generator=torch.Generator().manual_seed(9))
+    ref_ctx, fused_ctx = step_context(ref_cache), step_context(fused_cache)
+    expected = model(ids, ref_ctx)
+    torch.testing.assert_close(FusedTrunk(model, fused_cache, ext)(ids, fused_ctx), expected, atol=1e-4, rtol=1e-4)
+    assert_caches_equal(ref_cache, fused_cache)
+    assert fused_ctx.spec_states.keys() == ref_ctx.spec_states.keys()
+    for layer, (conv, ssm) in ref_ctx.spec_states.items():
+        got_conv, got_ssm = fused_ctx.spec_states[layer]
+        torch.testing.assert_close(got_conv[:, :4], conv[:, :4], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got_ssm[:, :4], ssm[:, :4], atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
 def test_fused_step_hands_back_only_the_rows_asked_for(model, ext) -> None:
     """output_rows: the asked rows' hidden states as the full step computes them, and every token's K/V and
     GDN states cached all the same (the last layer skips only what nothing reads)."""

@@ -161,6 +161,8 @@ class FusedStack {
   at::Tensor sparse_mlp(const MoeWeights& w, const at::Tensor& h);
   at::Tensor gdn(const GdnWeights& w, const at::Tensor& h, const Batch& bt, const at::Tensor& spec_conv,
                  const at::Tensor& spec_ssm, const OutputRows* only);
+  at::Tensor gdn_rows(const GdnWeights& w, const at::Tensor& h, const Batch& bt, const at::Tensor& spec_conv,
+                      const at::Tensor& spec_ssm, const OutputRows* only);
   at::Tensor attention(const AttnWeights& w, const at::Tensor& h, const Batch& bt, const float* cos,
                        const float* sin, const OutputRows* only);
 
