@@ -233,7 +233,8 @@ def test_a_step_of_many_sequences_runs_its_gdn_layers_in_blocks(model, ext) -> N
         return ForwardContext.paged(cache, [q for q, _ in lens], [c for _, c in lens], tables,
                                     list(range(len(lens))), verify)
 
-    ids = torch.randint(0, model.config.vocab_size, (sum(q for q, _ in lens),), generator=torch.Generator().manual_seed(9))
+    T = sum(q for q, _ in lens)
+    ids = torch.randint(0, model.config.vocab_size, (T,), generator=torch.Generator().manual_seed(9))
     ref_ctx, fused_ctx = step_context(ref_cache), step_context(fused_cache)
     expected = model(ids, ref_ctx)
     torch.testing.assert_close(FusedTrunk(model, fused_cache, ext)(ids, fused_ctx), expected, atol=1e-4, rtol=1e-4)

@@ -19,7 +19,7 @@ namespace {
 
 // A dense MLP takes a prompt chunk's rows this many at a time, at most (FusedStack::forward), and a GDN layer
 // its sequences in blocks of about this many rows (FusedStack::gdn).
-constexpr int64_t kMlpRowBlock = 512;
+constexpr int64_t kLayerRowBlock = 512;
 
 // The step's sequences [b0, b1) in blocks of whole sequences: a block closes before the sequence that would take
 // it past max_rows, once it has over kDotRows rows (a longer sequence makes a block of its own); a last block
@@ -383,11 +383,12 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> FusedSt
       x.add_(moe);
       continue;
     }
-    // The MLP over equal blocks of at most kMlpRowBlock rows: its [rows, 2I] and [rows, I] activations are a
-    // prompt chunk's largest, and the projections pass over their weights per 512 rows anyway
+    // The MLP over equal blocks of at most kLayerRowBlock rows: its [rows, 2I] and [rows, I] activations are
+    // among a prompt chunk's largest, and the projections pass over their weights per 512 rows anyway
     // (kPackedRowBlock, kAmxRowBlock). Every block has over kDotRows rows when there are several, so each
     // row's numbers are those of one call.
-    const int64_t I = d_.intermediate, T = x.size(0), blocks = std::max<int64_t>(1, (T + kMlpRowBlock - 1) / kMlpRowBlock);
+    const int64_t I = d_.intermediate, T = x.size(0);
+    const int64_t blocks = std::max<int64_t>(1, (T + kLayerRowBlock - 1) / kLayerRowBlock);
     for (int64_t r0 = 0, per = (T + blocks - 1) / blocks; r0 < T; r0 += per) {
       at::Tensor xr = x.narrow(0, r0, std::min(per, T - r0));
       at::Tensor gu = project(l.gate_up_w, rms_norm_rows(xr, l.post_scale, d_.eps));  // [rows, 2I]
@@ -543,13 +544,16 @@ at::Tensor FusedStack::sparse_mlp(const MoeWeights& w, const at::Tensor& h) {
 // Each sequence's recurrence and each row's projections are the same computation either way.
 at::Tensor FusedStack::gdn(const GdnWeights& w, const at::Tensor& h, const Batch& bt, const at::Tensor& spec_conv,
                            const at::Tensor& spec_ssm, const OutputRows* only) {
-  const auto blocks = only == nullptr ? sequence_blocks(bt, kMlpRowBlock) : std::vector<std::pair<int64_t, int64_t>>{};
-  if (blocks.size() < 2) return gdn_rows(w, h, bt, spec_conv, spec_ssm, only);
+  // (the last layer's wanted rows, `only`, are the step's: that layer runs whole)
+  if (only != nullptr) return gdn_rows(w, h, bt, spec_conv, spec_ssm, only);
+  const auto blocks = sequence_blocks(bt, kLayerRowBlock);
+  if (blocks.size() < 2) return gdn_rows(w, h, bt, spec_conv, spec_ssm, nullptr);
   at::Tensor out = at::empty({bt.T, w.out_w.N}, h.options());
   std::vector<int64_t> qsl;
   for (const auto& [b0, b1] : blocks) {
     const Batch sub = sub_batch(bt, b0, b1, qsl);
-    out.narrow(0, bt.qsl[b0], sub.T).copy_(gdn_rows(w, h.narrow(0, bt.qsl[b0], sub.T), sub, spec_conv, spec_ssm, nullptr));
+    const at::Tensor rows = gdn_rows(w, h.narrow(0, bt.qsl[b0], sub.T), sub, spec_conv, spec_ssm, nullptr);
+    out.narrow(0, bt.qsl[b0], sub.T).copy_(rows);
   }
   return out;
 }
