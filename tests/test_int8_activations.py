@@ -32,8 +32,9 @@ FORMATS = [WeightFormat.of("int8"), WeightFormat.of("int4"), WeightFormat.of("in
            WeightFormat.of("int8", 24), WeightFormat.of("int4", 128), WeightFormat.of("int8", 10),
            WeightFormat.of("int4", 6), WeightFormat.of("int4", 8), WeightFormat.of("int4", 40)]
 # (N, K); in AVX2 builds, K = 64, 96 and 320 take the AVX2 kernel for groups of 32 and 128 (96 and 320: a last
-# group shorter than 128; int4: K = 64 and 320, groups of 32 and 128)
-SHAPES = [(70, 33), (130, 200), (5, 1), (64, 1100), (9, 127), (17, 64), (33, 96), (70, 320)]
+# group shorter than 128; int4: K = 64 and 320, groups of 32 and 128); one row takes int8 rows of 1000 bytes and
+# int4 ones of 550 four outputs a block (one prefetch stream of 4 KB), 70: a tail of two
+SHAPES = [(70, 33), (130, 200), (5, 1), (64, 1100), (9, 127), (17, 64), (33, 96), (70, 320), (70, 1000)]
 
 
 def int_bound(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat, k: int) -> torch.Tensor:
@@ -54,8 +55,8 @@ def assert_matches_the_scheme(got: torch.Tensor, x: torch.Tensor, part: tuple, k
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 13, 16, 20, 130])
 def test_int8_activation_projection_is_the_scheme(ext, fmt: WeightFormat, rows: int) -> None:
     """Each output is the reference's sum of exact int32 group dots times scale_x x scale_w, but for the order
-    of its fp32 sums; up to INT_KERNEL_ROWS rows, the same rows alone give the same numbers (one row: the 8-output
-    block), and from there on the numbers are the float kernel's over the quantized x."""
+    of its fp32 sums; up to INT_KERNEL_ROWS rows, the same rows alone give the same numbers (one row: a block of 8 or 4
+    outputs), and from there on the numbers are the float kernel's over the quantized x."""
     g = torch.Generator().manual_seed(rows)
     for n_out, k_in in SHAPES:
         part = spec(torch.randn(n_out, k_in, generator=g), fmt)
