@@ -324,8 +324,9 @@ void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_
 // Outputs [row0, row0 + count) of part p for rows t < T of q from t0: one row 8 outputs at a time, or 4 where
 // 8 weight rows would pass kSequentialPrefetchBytes and 4 do not, so that a block is one prefetch stream (int8
 // rows of 1 KB: 1.14-1.15x, int4 ones 1.15x, an AMD EPYC Zen 4, weights streamed from memory; 2 rows of 2 KB
-// or one of 3.5 KB a block gained nothing); two rows 4; more, 2 outputs x 4 rows at a time, so that the outputs' weights stay in L1 while the row tiles pass (4 x 4
-// spilled registers; 2 x 4 measured 1.5x its throughput per row at 4 to 16 rows, and 4 x 2 1.3x 2 x 2 at two).
+// or one of 3.5 KB a block gained nothing); two rows 4; more, 2 outputs x 4 rows at a time, so that the
+// outputs' weights stay in L1 while the row tiles pass (4 x 4 spilled registers; 2 x 4 measured 1.5x its
+// throughput per row at 4 to 16 rows, and 4 x 2 1.3x 2 x 2 at two).
 template <Format F>
 void int_part(const WeightPart& p, int64_t row0, int64_t count, const QuantizedRows& q, int64_t t0, int64_t T,
               float* y, int64_t ldy) {
