@@ -120,13 +120,17 @@ int64_t lane_byte(Format f, int64_t i) { return f == Format::kInt8 ? i : (i % 2)
 
 // x's T rows quantized into q (its buffers reused: a scratch kept between calls allocates nothing once grown).
 void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
+  // the lanes' groups (lane_group, span) depend on the format, group and K only: kept from the last call when
+  // those are the same (a decode step quantizes a row for every projection)
+  const bool same_lanes = q.lanes && !q.tiles && q.format == f && q.group == group && q.K == K && !q.lane_group.empty();
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
   q.lanes = kVnni && group % 8 == 0;
   q.avx2 = kAvx2 && avx2_int_kernel_takes(f, group, K);
   q.tiles = false, q.plus128 = false, q.ld = 0;
   const int64_t cols = chunk_columns(f);
   q.chunks = (K + cols - 1) / cols;
-  q.values.clear(), q.bias.clear(), q.lane_group.clear();
+  q.values.clear(), q.bias.clear();
+  if (!same_lanes) q.lane_group.clear();
   const int64_t C = q.chunks, G = q.groups;
   if (!q.lanes) {
     q.bytes.resize(T * K), q.scales.resize(T * G);
@@ -139,9 +143,8 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
   thread_local std::vector<int8_t> row;
   thread_local std::vector<float> scales;
   row.resize(K), scales.resize(G);
-  q.lane_group.resize(C * 16);
-  q.span = 1;
-  for (int64_t c = 0; c < C; ++c) {
+  if (!same_lanes) q.lane_group.resize(C * 16), q.span = 1;
+  for (int64_t c = 0; c < C && !same_lanes; ++c) {
     for (int64_t l = 0; l < 16; ++l) {  // (a lane past K: the last group, whose scale is there to read)
       q.lane_group[c * 16 + l] = std::min(lane_column(f, c, l) / group, G - 1) - cols * c / group;
       q.span = std::max<int64_t>(q.span, q.lane_group[c * 16 + l] + 1);
@@ -153,15 +156,22 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
   for (int64_t t = 0; t < T; ++t) {
     quantize_row(x + t * K, K, group, row.data(), scales.data());
     uint8_t* bytes = q.bytes.data() + t * C * cols;
-    for (int64_t k = 0; k < K; ++k) {
-      const uint8_t v = static_cast<uint8_t>(row[k]);
-      const uint8_t stored = f == Format::kInt8 ? static_cast<uint8_t>(v ^ 0x80) : v;
-      bytes[(k / cols) * cols + lane_byte(f, k % cols)] = stored;
+    // each chunk's columns to their lane_byte places (no division per column: a decode step quantizes a row for
+    // every projection, and the per-column divisions were most of that)
+    for (int64_t c = 0; c < C; ++c) {
+      const int8_t* from = row.data() + c * cols;
+      uint8_t* to = bytes + c * cols;
+      const int64_t n = std::min(cols, K - c * cols);
+      for (int64_t i = 0; i < n; ++i) {
+        const uint8_t v = static_cast<uint8_t>(from[i]);
+        to[lane_byte(f, i)] = f == Format::kInt8 ? static_cast<uint8_t>(v ^ 0x80) : v;
+      }
     }
     for (int64_t c = 0; c < C; ++c) {
+      const int64_t first_group = cols * c / group;  // lane_group is relative to it
       for (int64_t l = 0; l < 16; ++l) {
         const int64_t at = (t * C + c) * 16 + l;
-        q.scales[at] = scales[std::min(lane_column(f, c, l) / group, G - 1)];
+        q.scales[at] = scales[first_group + q.lane_group[c * 16 + l]];
         if (f != Format::kInt4) continue;
         int32_t sum = 0;  // the lane's 8 columns: 4 even ones, then 4 odd ones
         for (int m = 0; m < 4; ++m) {
