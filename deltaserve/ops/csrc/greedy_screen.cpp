@@ -20,7 +20,7 @@ GreedyScreen make_greedy_screen(const Linear& lm) {
   GreedyScreen s;
   if (lm.parts.size() != 1 || lm.parts[0].format != Format::kBFloat16) return s;
   const int64_t N = lm.N, K = lm.K;
-  const uint16_t* w = static_cast<const uint16_t*>(lm.parts[0].data.data_ptr());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(lm.parts[0].bytes);
   at::Tensor norms = at::empty({N}, at::kFloat);
   float* np = norms.data_ptr<float>();
   std::atomic<bool> finite{true};
@@ -106,7 +106,7 @@ void screened_greedy(const at::Tensor& h, const GreedyScreen& s, const Linear& l
     slack[t] = static_cast<float>(std::ldexp(h1 + 2.0 * K, -100));
   }
   std::vector<float> lower(T * P), upper(T * P);  // [T, P]
-  const uint16_t* wp = static_cast<const uint16_t*>(lm.parts[0].data.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(lm.parts[0].bytes);
   const float* np = s.norms.data_ptr<float>();
   at::parallel_for(0, P, grain_for(T * K * kPanel / 2), [&](int64_t p0, int64_t p1) {
     float approx[4 * kPanel];

@@ -104,9 +104,6 @@ Linear make_linear(std::vector<WeightPart> parts, bool int8_activations, bool bf
 
 namespace {
 
-const uint8_t* bytes_of(const WeightPart& p) { return p.bytes; }
-const void* scales_of(const WeightPart& p) { return p.scales; }
-
 // ---- the dot-product kernel: R rows of x times NO consecutive weight rows of one part ----------------------
 // The loops over a block's rows and outputs unrolled completely, so that its R x NO accumulators stay in
 // registers (GCC kept some blocks' arrays in memory otherwise).
@@ -164,8 +161,8 @@ struct RowScales8 {
 // An output's sum is the same for any R and NO.
 template <Format F, int NO, int R>
 void dot_block_avx2(const WeightPart& p, int64_t row0, const float* x, int64_t K, float* y, int64_t ldy) {
-  const uint8_t* data = bytes_of(p);
-  const void* scales = scales_of(p);
+  const uint8_t* data = p.bytes;
+  const void* scales = p.scales;
   __m256 acc[R][NO];
   DS_UNROLL
   for (int r = 0; r < R; ++r) {
@@ -227,8 +224,8 @@ constexpr int64_t kSequentialRowBytes = 4096;
 // An output's sum is the same for any R.
 template <Format F, int R>
 void dot_row_avx2(const WeightPart& p, int64_t row, const float* x, int64_t K, float* y, int64_t ldy) {
-  const uint8_t* data = bytes_of(p);
-  const void* scales = scales_of(p);
+  const uint8_t* data = p.bytes;
+  const void* scales = p.scales;
   const uint8_t* w = data + row * p.row_bytes;
   __m256 acc[R][4];
   DS_UNROLL
@@ -289,8 +286,8 @@ struct KSlice {
 template <Format F, int NO, int R>
 void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, float* y, int64_t ldy,
                KSlice slice) {
-  const uint8_t* data = bytes_of(p);
-  const void* scales = scales_of(p);
+  const uint8_t* data = p.bytes;
+  const void* scales = p.scales;
 #if defined(__AVX512F__)
   __m512 acc[R][NO];
   DS_UNROLL
@@ -499,10 +496,10 @@ int64_t part_of(const Linear& l, int64_t n) {
 #if defined(__AVX512F__)
 // widen16 of any part (the packing's: its outputs may belong to parts of several formats); g = k0 / group.
 __m512 widen16_any(const WeightPart& p, int64_t row, int64_t k0, int64_t g, __mmask16 valid) {
-  const uint8_t* r = bytes_of(p) + row * p.row_bytes;
+  const uint8_t* r = p.bytes + row * p.row_bytes;
   __m512 scale = _mm512_setzero_ps();
   if (quantized(p.format)) {
-    scale = p.group % 16 == 0 ? group_scale(p, scales_of(p), row, g) : scales16(p, scales_of(p), row, k0);
+    scale = p.group % 16 == 0 ? group_scale(p, p.scales, row, g) : scales16(p, p.scales, row, k0);
   }
   __m512 v;
   with_format(p.format, [&](auto F) { v = widen16<decltype(F)::value>(r, k0, valid, scale); });
@@ -566,7 +563,7 @@ void pack_tile(const Linear& l, int64_t n0, int64_t ncols, int64_t k0, int64_t k
     bool one_format = true;
     for (int64_t i = 0; i < m; ++i) {
       const WeightPart& p = *part[j0 + i];
-      rows[i] = bytes_of(p) + row[j0 + i] * p.row_bytes, scales[i] = scales_of(p);
+      rows[i] = p.bytes + row[j0 + i] * p.row_bytes, scales[i] = p.scales;
       one_format = one_format && p.format == part[j0]->format;
     }
     float* columns = tile + j0;
@@ -593,7 +590,7 @@ void pack_tile(const Linear& l, int64_t n0, int64_t ncols, int64_t k0, int64_t k
   for (int64_t kc = k8; kc < kb; ++kc) std::fill(tile + kc * kPanel, tile + (kc + 1) * kPanel, 0.0f);
   for (int64_t j = 0; j < ncols && k8 < kb; ++j) {  // K's last, partial 8 inputs
     float w[8];
-    widen_scalar(*part[j], bytes_of(*part[j]), scales_of(*part[j]), row[j], k0 + k8, kb - k8, w);
+    widen_scalar(*part[j], part[j]->bytes, part[j]->scales, row[j], k0 + k8, kb - k8, w);
     for (int64_t i = 0; i < kb - k8; ++i) tile[(k8 + i) * kPanel + j] = w[i];
   }
 #else
@@ -601,7 +598,7 @@ void pack_tile(const Linear& l, int64_t n0, int64_t ncols, int64_t k0, int64_t k
     for (int64_t kc = 0; kc < kb; kc += 16) {
       const int64_t n = std::min<int64_t>(16, kb - kc);
       float w[16] = {};
-      if (j < ncols) widen_scalar(*part[j], bytes_of(*part[j]), scales_of(*part[j]), row[j], k0 + kc, n, w);
+      if (j < ncols) widen_scalar(*part[j], part[j]->bytes, part[j]->scales, row[j], k0 + kc, n, w);
       for (int64_t i = 0; i < n; ++i) tile[(kc + i) * kPanel + j] = w[i];
     }
   }
@@ -717,7 +714,7 @@ void pack_tile_bf16(const Linear& l, int64_t n0, int64_t ncols, int64_t k0, int6
     if (j >= ncols) continue;
     const int64_t i = part_of(l, n0 + j);
     const WeightPart& p = l.parts[i];
-    row[j] = reinterpret_cast<const uint16_t*>(bytes_of(p) + (n0 + j - l.starts[i]) * p.row_bytes) + k0;
+    row[j] = reinterpret_cast<const uint16_t*>(p.bytes + (n0 + j - l.starts[i]) * p.row_bytes) + k0;
   }
   for (int64_t h = 0; h < 2; ++h) {
     for (int64_t kc = 0; kc < kb; kc += 16) {
@@ -764,7 +761,7 @@ void pack_tile_pairs(const Linear& l, int64_t n0, int64_t ncols, int64_t k0, int
     if (j >= ncols) continue;
     const int64_t i = part_of(l, n0 + j);
     const WeightPart& p = l.parts[i];
-    row[j] = reinterpret_cast<const uint16_t*>(bytes_of(p) + (n0 + j - l.starts[i]) * p.row_bytes) + k0;
+    row[j] = reinterpret_cast<const uint16_t*>(p.bytes + (n0 + j - l.starts[i]) * p.row_bytes) + k0;
   }
   for (int64_t j0 = 0; j0 < kPanel; j0 += 16) {
     for (int64_t kc = 0; kc < kb; kc += 32) {  // 16 pairs of inputs

@@ -121,8 +121,8 @@ int64_t lane_byte(Format f, int64_t i) { return f == Format::kInt8 ? i : (i % 2)
 // x's T rows quantized into q (its buffers reused: a scratch kept between calls allocates nothing once grown).
 void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
   // the lanes' groups (lane_group, span) depend on the format, group and K only: kept from the last call when
-  // those are the same (a decode step quantizes a row for every projection)
-  const bool same_lanes = q.lanes && !q.tiles && q.format == f && q.group == group && q.K == K && !q.lane_group.empty();
+  // those are the same (a decode step quantizes a row for every projection; the other layouts clear them)
+  const bool same_lanes = !q.lane_group.empty() && q.format == f && q.group == group && q.K == K;
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
   q.lanes = kVnni && group % 8 == 0;
   q.avx2 = kAvx2 && avx2_int_kernel_takes(f, group, K);
@@ -143,11 +143,13 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
   thread_local std::vector<int8_t> row;
   thread_local std::vector<float> scales;
   row.resize(K), scales.resize(G);
-  if (!same_lanes) q.lane_group.resize(C * 16), q.span = 1;
-  for (int64_t c = 0; c < C && !same_lanes; ++c) {
-    for (int64_t l = 0; l < 16; ++l) {  // (a lane past K: the last group, whose scale is there to read)
-      q.lane_group[c * 16 + l] = std::min(lane_column(f, c, l) / group, G - 1) - cols * c / group;
-      q.span = std::max<int64_t>(q.span, q.lane_group[c * 16 + l] + 1);
+  if (!same_lanes) {
+    q.lane_group.resize(C * 16), q.span = 1;
+    for (int64_t c = 0; c < C; ++c) {
+      for (int64_t l = 0; l < 16; ++l) {  // (a lane past K: the last group, whose scale is there to read)
+        q.lane_group[c * 16 + l] = std::min(lane_column(f, c, l) / group, G - 1) - cols * c / group;
+        q.span = std::max<int64_t>(q.span, q.lane_group[c * 16 + l] + 1);
+      }
     }
   }
   q.bytes.assign(T * C * cols, f == Format::kInt8 ? 128 : 0);  // columns past K: q_x = 0
@@ -184,7 +186,6 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
   }
 }
 
-const uint8_t* data_of(const WeightPart& p) { return p.bytes; }
 const uint16_t* scales_of(const WeightPart& p) { return static_cast<const uint16_t*>(p.scales); }
 
 // The plain path (any group; builds without AVX512-VNNI): outputs j < count of part p from local row row0, for
@@ -194,7 +195,7 @@ void plain_part(const WeightPart& p, int64_t row0, int64_t count, const Quantize
   const int64_t K = p.K, G = p.groups;
   std::vector<int8_t> w(K);
   for (int64_t j = 0; j < count; ++j) {
-    const uint8_t* r = data_of(p) + (row0 + j) * p.row_bytes;
+    const uint8_t* r = p.bytes + (row0 + j) * p.row_bytes;
     for (int64_t k = 0; k < K; ++k) {
       const int nibble = ((r[k / 2] >> (4 * (k % 2))) & 0x0F) - 8;
       w[k] = p.format == Format::kInt8 ? static_cast<int8_t>(r[k]) : static_cast<int8_t>(nibble);
@@ -274,7 +275,7 @@ void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_
   const uint8_t* rows[NO];
   const uint16_t* srows[NO];
   for (int j = 0; j < NO; ++j) {
-    rows[j] = data_of(p) + (row0 + j) * p.row_bytes;
+    rows[j] = p.bytes + (row0 + j) * p.row_bytes;
     srows[j] = scales_of(p) + (row0 + j) * p.groups;
   }
   __m512 acc[R][NO];
@@ -415,7 +416,7 @@ void int_block_avx2(const WeightPart& p, int64_t row0, const QuantizedRows& q, i
   const uint8_t* rows[NO];
   const uint16_t* srows[NO];
   for (int j = 0; j < NO; ++j) {
-    rows[j] = data_of(p) + (row0 + j) * p.row_bytes;
+    rows[j] = p.bytes + (row0 + j) * p.row_bytes;
     srows[j] = scales_of(p) + (row0 + j) * G;
   }
   const int8_t* xr[R];
@@ -515,7 +516,7 @@ void int_decode_avx2_g32(const WeightPart& p, int64_t row0, const QuantizedRows&
   const uint8_t* rows[4];
   const uint16_t* srows[4];
   for (int j = 0; j < 4; ++j) {
-    rows[j] = data_of(p) + (row0 + j) * p.row_bytes;
+    rows[j] = p.bytes + (row0 + j) * p.row_bytes;
     srows[j] = scales_of(p) + (row0 + j) * G;
   }
   const int8_t* xr = reinterpret_cast<const int8_t*>(q.bytes.data()) + t0 * K;

@@ -435,8 +435,8 @@ at::Tensor FusedStack::embed(const at::Tensor& input_ids) const {
   const int64_t T = input_ids.size(0), H = d_.hidden, V = embed_.rows;
   at::Tensor x = at::zeros({T, H}, input_ids.options().dtype(at::kFloat));
   const int64_t* ip = input_ids.data_ptr<int64_t>();
-  const uint8_t* data = static_cast<const uint8_t*>(embed_.data.data_ptr());
-  const void* scales = embed_.scale.defined() ? embed_.scale.data_ptr() : nullptr;
+  const uint8_t* data = embed_.bytes;
+  const void* scales = embed_.scales;
   float* xp = x.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     const int64_t row = ip[t] - vocab_start_;
