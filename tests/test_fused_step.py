@@ -211,11 +211,14 @@ def assert_steps_match(ref_model, model, ext, prompt_attention: str, tol: float 
 
 
 @torch.inference_mode()
-def test_a_step_of_many_sequences_runs_its_gdn_layers_in_blocks(model, ext) -> None:
-    """Past 512 rows a step's GDN layers take its sequences in blocks of about 512 rows (stack.cpp
-    sequence_blocks): here [0, 3) (351 rows), [3, 5) with a verify segment, and a 600-token prompt with the 9-row
-    last block it takes in. The Python model runs the whole step at once: each sequence reads and writes its
-    own state slot, the verify segment's states land in its row, whichever block it is in."""
+@pytest.mark.parametrize("wanted", [None, "last and mid rows"])
+def test_a_step_of_many_sequences_runs_its_layers_in_blocks(model, ext, wanted) -> None:
+    """Past 256 rows a step's GDN and attention layers take its sequences in blocks of about 256 rows
+    (stack.cpp over_sequence_blocks): here [0, 1) (200 rows), [1, 3) (151), [3, 4) (300) and [4, 7) with a
+    verify segment, a 600-token prompt and the 9-row last block it takes in. The Python model runs the whole
+    step at once: each sequence reads and writes its own state slot and KV blocks at its own positions (each
+    block's rotary rows), the verify segment's states land in its row, whichever block it is in. With wanted
+    rows, the last layer (attention) runs them alone block by block, rows from every block and none in some."""
     lens = [(200, 0), (150, 7), (1, 12), (300, 0), (4, 30), (600, 0), (9, 3)]
     verify = [False, False, False, False, True, False, False]
     width = 40  # blocks of 16 tokens per sequence: room for 640
@@ -237,7 +240,9 @@ def test_a_step_of_many_sequences_runs_its_gdn_layers_in_blocks(model, ext) -> N
     ids = torch.randint(0, model.config.vocab_size, (T,), generator=torch.Generator().manual_seed(9))
     ref_ctx, fused_ctx = step_context(ref_cache), step_context(fused_cache)
     expected = model(ids, ref_ctx)
-    torch.testing.assert_close(FusedTrunk(model, fused_cache, ext)(ids, fused_ctx), expected, atol=1e-4, rtol=1e-4)
+    rows = None if wanted is None else torch.tensor([5, 199, 351, 352, 650, 651, 652, 653, 1000, 1263])
+    got = FusedTrunk(model, fused_cache, ext)(ids, fused_ctx, rows)
+    torch.testing.assert_close(got, expected if rows is None else expected[rows], atol=1e-4, rtol=1e-4)
     assert_caches_equal(ref_cache, fused_cache)
     assert fused_ctx.spec_states.keys() == ref_ctx.spec_states.keys()
     for layer, (conv, ssm) in ref_ctx.spec_states.items():

@@ -17,9 +17,12 @@ namespace deltaserve {
 
 namespace {
 
-// A dense MLP takes a prompt chunk's rows this many at a time, at most (FusedStack::forward), and a GDN layer
-// its sequences in blocks of about this many rows (FusedStack::gdn).
-constexpr int64_t kLayerRowBlock = 512;
+// A dense MLP takes a prompt chunk's rows this many at a time, at most (FusedStack::forward), and a GDN or
+// attention layer its sequences in blocks of about this many rows (over_sequence_blocks). 256 rather than 512:
+// the 0.8B int8 engine's 1,024-row step peaked 28 MB above its start instead of 44 (live activations), and
+// VmHWM over bench_formats' workload fell from 1.47-1.50 to 1.45-1.46 GiB; the 512-token prefill took 1.01x
+// as long (one more pass over the MLP's weights per 512 rows).
+constexpr int64_t kLayerRowBlock = 256;
 
 // The step's sequences [b0, b1) in blocks of whole sequences: a block closes before the sequence that would take
 // it past max_rows, once it has over kDotRows rows (a longer sequence makes a block of its own); a last block
@@ -50,6 +53,38 @@ Batch sub_batch(const Batch& bt, int64_t b0, int64_t b1, std::vector<int64_t>& q
   return Batch{bt.qsl[b1] - r0, b1 - b0, bt.positions + r0, qsl.data(), bt.context_lens + b0,
                bt.block_tables + b0 * bt.table_width, bt.slot_mapping + r0, bt.state_slots + b0,
                bt.spec_index + b0, bt.table_width, bt.spec_rows, bt.spec_width};
+}
+
+// The wanted rows among rows [r0, r1) of the step, rebased to r0.
+OutputRows rows_within(const OutputRows& only, int64_t r0, int64_t r1) {
+  const int64_t* rp = only.rows.data_ptr<int64_t>();
+  const int64_t n = only.rows.numel();
+  const int64_t first = std::lower_bound(rp, rp + n, r0) - rp, last = std::lower_bound(rp, rp + n, r1) - rp;
+  return OutputRows{only.rows.narrow(0, first, last - first) - r0,
+                    std::vector<char>(only.wanted.begin() + r0, only.wanted.begin() + r1)};
+}
+
+// fn(rows of h, their sub-batch, its first row, its wanted rows or null) over the step's blocks of whole
+// sequences (sequence_blocks: at most kLayerRowBlock rows each unless one sequence is longer), the blocks'
+// outputs ([rows, width], or [wanted rows, width] given `only`) copied into the step's in order; one call of
+// the whole step when it makes a single block.
+template <typename Fn>
+at::Tensor over_sequence_blocks(const at::Tensor& h, const Batch& bt, const OutputRows* only, Fn fn) {
+  const auto blocks = sequence_blocks(bt, kLayerRowBlock);
+  if (blocks.size() < 2) return fn(h, bt, 0, only);
+  at::Tensor out;
+  std::vector<int64_t> qsl;
+  int64_t at = 0;  // the block's first output row
+  for (const auto& [b0, b1] : blocks) {
+    const int64_t r0 = bt.qsl[b0];
+    const Batch sub = sub_batch(bt, b0, b1, qsl);
+    const OutputRows wanted = only != nullptr ? rows_within(*only, r0, r0 + sub.T) : OutputRows{};
+    const at::Tensor rows = fn(h.narrow(0, r0, sub.T), sub, r0, only != nullptr ? &wanted : nullptr);
+    if (!out.defined()) out = at::empty({only != nullptr ? only->rows.numel() : bt.T, rows.size(1)}, rows.options());
+    out.narrow(0, at, rows.size(0)).copy_(rows);
+    at += rows.size(0);
+  }
+  return out;
 }
 
 std::string shape_text(const std::vector<int64_t>& shape) {
@@ -384,8 +419,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> FusedSt
       continue;
     }
     // The MLP over equal blocks of at most kLayerRowBlock rows: its [rows, 2I] and [rows, I] activations are
-    // among a prompt chunk's largest, and the projections pass over their weights per 512 rows anyway
-    // (kPackedRowBlock, kAmxRowBlock). Every block has over kDotRows rows when there are several, so each
+    // among a prompt chunk's largest (the projections pass over their weights per kPackedRowBlock or
+    // kAmxRowBlock rows in any case). Every block has over kDotRows rows when there are several, so each
     // row's numbers are those of one call.
     const int64_t I = d_.intermediate, T = x.size(0);
     const int64_t blocks = std::max<int64_t>(1, (T + kLayerRowBlock - 1) / kLayerRowBlock);
@@ -538,24 +573,18 @@ at::Tensor FusedStack::sparse_mlp(const MoeWeights& w, const at::Tensor& h) {
   return moe_mlp(d_.moe, w, h, slot(kProjections));
 }
 
-// A step of several sequences runs its GDN layers over blocks of whole sequences (sequence_blocks): a prompt
-// chunk's in_proj output [T, conv_dim + value_dim + 2 hv] and its conv'd q|k|v [T, conv_dim] were, with the
-// core output, its largest activations (67 MB at the 0.8B shape and 1,024 rows, against 34 MB in blocks of 512).
-// Each sequence's recurrence and each row's projections are the same computation either way.
+// A step of several sequences runs its GDN and attention layers, the last one's wanted rows too, over blocks of
+// whole sequences (over_sequence_blocks): a prompt chunk's in_proj output [T, conv_dim + value_dim + 2 hv], its
+// conv'd q|k|v [T, conv_dim] and core output were its largest activations (67 MB at the 0.8B shape and 1,024
+// rows; 17 MB in blocks of 256), and an attention layer's q|gate|k|v [T, 2 nh hd + 2 nkv hd] the largest single
+// one (21 MB). Each sequence's recurrence or attention and each row's projections are the same computation
+// either way.
 at::Tensor FusedStack::gdn(const GdnWeights& w, const at::Tensor& h, const Batch& bt, const at::Tensor& spec_conv,
                            const at::Tensor& spec_ssm, const OutputRows* only) {
-  // (the last layer's wanted rows, `only`, are the step's: that layer runs whole)
-  if (only != nullptr) return gdn_rows(w, h, bt, spec_conv, spec_ssm, only);
-  const auto blocks = sequence_blocks(bt, kLayerRowBlock);
-  if (blocks.size() < 2) return gdn_rows(w, h, bt, spec_conv, spec_ssm, nullptr);
-  at::Tensor out = at::empty({bt.T, w.out_w.N}, h.options());
-  std::vector<int64_t> qsl;
-  for (const auto& [b0, b1] : blocks) {
-    const Batch sub = sub_batch(bt, b0, b1, qsl);
-    const at::Tensor rows = gdn_rows(w, h.narrow(0, bt.qsl[b0], sub.T), sub, spec_conv, spec_ssm, nullptr);
-    out.narrow(0, bt.qsl[b0], sub.T).copy_(rows);
-  }
-  return out;
+  return over_sequence_blocks(h, bt, only,
+                              [&](const at::Tensor& rows, const Batch& sub, int64_t, const OutputRows* o) {
+                                return gdn_rows(w, rows, sub, spec_conv, spec_ssm, o);
+                              });
 }
 
 at::Tensor FusedStack::gdn_rows(const GdnWeights& w, const at::Tensor& h, const Batch& bt, const at::Tensor& spec_conv,
@@ -571,6 +600,15 @@ at::Tensor FusedStack::gdn_rows(const GdnWeights& w, const at::Tensor& h, const 
 
 at::Tensor FusedStack::attention(const AttnWeights& w, const at::Tensor& h, const Batch& bt, const float* cos,
                                  const float* sin, const OutputRows* only) {
+  const int64_t half = d_.rotary_dim / 2;  // cos and sin are [T, half]
+  return over_sequence_blocks(h, bt, only, [&](const at::Tensor& rows, const Batch& sub, int64_t r0,
+                                               const OutputRows* o) {
+    return attention_rows(w, rows, sub, cos + r0 * half, sin + r0 * half, o);
+  });
+}
+
+at::Tensor FusedStack::attention_rows(const AttnWeights& w, const at::Tensor& h, const Batch& bt, const float* cos,
+                                      const float* sin, const OutputRows* only) {
   const int64_t nh = d_.nh, nkv = d_.nkv, hd = d_.hd;
   const int64_t q_width = 2 * nh * hd, width = q_width + 2 * nkv * hd;
   at::Tensor proj;  // [T, width]: per head q | gate, then k, then v

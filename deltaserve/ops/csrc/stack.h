@@ -165,6 +165,8 @@ class FusedStack {
                       const at::Tensor& spec_ssm, const OutputRows* only);
   at::Tensor attention(const AttnWeights& w, const at::Tensor& h, const Batch& bt, const float* cos,
                        const float* sin, const OutputRows* only);
+  at::Tensor attention_rows(const AttnWeights& w, const at::Tensor& h, const Batch& bt, const float* cos,
+                            const float* sin, const OutputRows* only);
 
   Dims d_;
   int64_t num_slots_ = -1, num_blocks_ = -1, block_size_ = 1;
