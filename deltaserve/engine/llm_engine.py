@@ -39,6 +39,7 @@ from deltaserve.executor import make_executor, start_tensor_parallel
 from deltaserve.model.decoder import Qwen3_5ForCausalLM
 from deltaserve.model.loader import load_model, release_idle_heap
 from deltaserve.model.sharding import rank_config
+from deltaserve.ops.fused_ext import release_step_memory
 from deltaserve.outputs import RequestOutput, SpecDecodeMetrics
 from deltaserve.sampling import SamplingParams
 
@@ -378,6 +379,7 @@ class LLMEngine:
             self._policy.record_step(sched.num_tokens, spent)
         if not self.has_unfinished_requests():
             release_idle_heap()  # idle: the steps' freed activations go back to the system
+            release_step_memory()
         return outputs
 
     @property

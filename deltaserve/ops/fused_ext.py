@@ -61,3 +61,12 @@ def load_extension(portable: bool = False) -> ModuleType:
             _failures[portable] = f"could not build the fused C++ step: {e}; {FALLBACK_COST}"
             raise FusedBuildError(_failures[portable]) from e
         return _modules[portable]
+
+
+def release_step_memory() -> None:
+    """Hand the free pages of the loaded builds' activation pools back to the system (csrc/step_memory.h): the
+    engine calls it when it goes idle, as it returns glibc's free heap (model/loader.py release_idle_heap)."""
+    with _lock:
+        modules = list(_modules.values())
+    for module in modules:
+        module.release_step_memory()

@@ -19,6 +19,7 @@
 #include "moe.h"
 #include "norms.h"
 #include "stack.h"
+#include "step_memory.h"
 #include "vision.h"
 
 using namespace deltaserve;
@@ -341,6 +342,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("INT_KERNEL_ROWS") = kIntKernelRows;
   // from this many rows on, they run the AMX kernel where it is available (linear_amx.h)
   m.attr("AMX_ROWS") = kAmxRows;
+  m.def("use_step_memory_pool", &use_step_memory_pool,
+        "make the fused step's activation pool torch's CPU allocator for blocks of 1 to 32 MiB (step_memory.h; "
+        "building a stack does it); process-wide, once");
+  m.def("release_step_memory", &release_step_memory,
+        "hand the fused step's free activation pages back to the system (step_memory.h); returns their bytes");
+  m.def("step_memory_stats", &step_memory_stats,
+        "(bytes the fused step's activation pool has mapped, bytes of them in live blocks); (0, 0) before a stack");
   m.def("amx_supported", &amx_supported,
         "whether this build, the CPU and the OS allow the AMX-INT8 kernel (the tile data requested at the first call)");
   m.def("set_amx", &set_amx_enabled, "switch the AMX kernel on or off (process-wide); returns the last setting",

@@ -11,6 +11,7 @@
 #include "norms.h"
 #include "parallel.h"
 #include "rope.h"
+#include "step_memory.h"
 #include "simd.h"
 
 namespace deltaserve {
@@ -280,6 +281,7 @@ FusedStack::FusedStack(std::map<std::string, int64_t> dims, double eps, std::map
                        std::vector<std::map<std::string, at::Tensor>> layers, bool mtp)
     : d_(dims_by_name(std::move(dims), eps)) {
   keep_step_memory_on_the_heap();
+  use_step_memory_pool();  // (its large activations: step_memory.h)
   TORCH_CHECK(layer_types.size() == layers.size(), "FusedStack: ", layer_types.size(), " layer types for ",
               layers.size(), " layers");
   const int64_t H = d_.hidden, I = d_.intermediate, V = d_.vocab;
