@@ -11,8 +11,8 @@
 #include "norms.h"
 #include "parallel.h"
 #include "rope.h"
-#include "step_memory.h"
 #include "simd.h"
+#include "step_memory.h"
 
 namespace deltaserve {
 
