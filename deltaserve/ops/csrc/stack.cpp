@@ -21,7 +21,7 @@ namespace {
 // A dense MLP takes a prompt chunk's rows this many at a time, at most (FusedStack::forward), and a GDN or
 // attention layer its sequences in blocks of about this many rows (over_sequence_blocks). 256 rather than 512:
 // the 0.8B int8 engine's 1,024-row step peaked 28 MB above its start instead of 44 (live activations), and
-// VmHWM over bench_formats' workload fell from 1.47-1.50 to 1.45-1.46 GiB; the 512-token prefill took 1.01x
+// VmHWM over bench_formats' workload fell from 1.47-1.50 to 1.44-1.46 GiB; the 512-token prefill took 1.01x
 // as long (one more pass over the MLP's weights per 512 rows).
 constexpr int64_t kLayerRowBlock = 256;
 
