@@ -156,7 +156,8 @@ def release_idle_heap() -> None:
     keeps their freed activations on the heap, up to a 512 MB trim threshold (csrc/parallel.h), so that the
     next step does not fault them in again; once the engine has nothing left to run, that memory is only
     resident (measured: 80-90 MB after the Qwen3.5-0.8B-shaped benchmark's 16-request batch). The engine calls
-    this when it goes idle; the next burst faults in what it needs once. A no-op where libc is not glibc."""
+    this when it goes idle, beside the fused step's own pool of large blocks (ops/fused_ext.py
+    release_step_memory); the next burst faults in what it needs once. A no-op where libc is not glibc."""
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)

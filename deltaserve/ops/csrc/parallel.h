@@ -28,6 +28,7 @@ inline int64_t grain_for(int64_t work_per_item) {
 // Keeping them on the heap is what servers get from tcmalloc or jemalloc; it is process-wide, and costs
 // up to the trim threshold of freed memory held back from the kernel. Set at every stack's construction:
 // the loader sets the opposite while it converts weights (deltaserve/model/loader.py return_freed_memory).
+// Blocks of 1 to 32 MiB no longer reach the heap: they come from the step's own pool (step_memory.h).
 inline void keep_step_memory_on_the_heap() {
 #if defined(__GLIBC__)
   mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's ceiling for this setting on 64-bit
