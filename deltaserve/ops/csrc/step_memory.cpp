@@ -5,7 +5,6 @@
 #include <c10/util/Exception.h>
 #include <sys/mman.h>
 
-#include <algorithm>
 #include <iterator>
 #include <map>
 #include <mutex>
@@ -17,6 +16,7 @@ namespace {
 
 constexpr size_t kBlockAlign = size_t{64} << 10;   // block sizes and starts: whole pages
 constexpr size_t kChunkBytes = size_t{256} << 20;  // address space mapped at a time (a page is resident once touched)
+static_assert(kChunkBytes >= static_cast<size_t>(kPoolMaxBytes), "a chunk holds the largest block");
 
 class StepMemoryPool final : public c10::Allocator {
  public:
@@ -49,7 +49,9 @@ class StepMemoryPool final : public c10::Allocator {
 
   std::pair<int64_t, int64_t> stats() {
     std::lock_guard<std::mutex> lock(mutex_);
-    return {static_cast<int64_t>(mapped_), static_cast<int64_t>(in_use_)};
+    int64_t in_use = 0;
+    for (const auto& [p, n] : used_) in_use += static_cast<int64_t>(n);
+    return {static_cast<int64_t>(mapped_), in_use};
   }
 
   static StepMemoryPool* instance;  // set once by use_step_memory_pool, never destroyed (blocks may outlive all)
@@ -69,19 +71,17 @@ class StepMemoryPool final : public c10::Allocator {
       if (it->second >= n && (best == free_.end() || it->second < best->second)) best = it;
     }
     if (best == free_.end()) {
-      const size_t bytes = std::max(kChunkBytes, n);
-      void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      TORCH_CHECK(m != MAP_FAILED, "out of memory: the fused step's activation pool could not map ", bytes >> 20,
-                  " MiB more");
-      mapped_ += bytes;
-      best = put_free(static_cast<char*>(m), bytes);
+      void* m = mmap(nullptr, kChunkBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      TORCH_CHECK(m != MAP_FAILED, "out of memory: the fused step's activation pool could not map ",
+                  kChunkBytes >> 20, " MiB more");
+      mapped_ += kChunkBytes;
+      best = put_free(static_cast<char*>(m), kChunkBytes);
     }
     char* p = best->first;
     const size_t left = best->second - n;
     free_.erase(best);
     if (left > 0) free_.emplace(p + n, left);
     used_.emplace(p, n);
-    in_use_ += n;
     return p;
   }
 
@@ -93,7 +93,6 @@ class StepMemoryPool final : public c10::Allocator {
     if (it == used_.end()) return false;
     const size_t n = it->second;
     used_.erase(it);
-    in_use_ -= n;
     put_free(p, n);
     return true;
   }
@@ -119,7 +118,7 @@ class StepMemoryPool final : public c10::Allocator {
   std::mutex mutex_;
   std::map<char*, size_t> free_;             // start -> bytes, in address order, none touching another
   std::unordered_map<char*, size_t> used_;  // live blocks: start -> bytes
-  size_t mapped_ = 0, in_use_ = 0;
+  size_t mapped_ = 0;
 };
 
 StepMemoryPool* StepMemoryPool::instance = nullptr;
