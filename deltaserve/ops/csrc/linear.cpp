@@ -108,22 +108,6 @@ namespace {
 // The loops over a block's rows and outputs unrolled completely, so that its R x NO accumulators stay in
 // registers (GCC kept some blocks' arrays in memory otherwise).
 #define DS_UNROLL _Pragma("GCC unroll 16")
-#if defined(__AVX512F__)
-// The sums of the 16-lane accumulators acc[0 .. n) (n <= 4) into y[0 .. n), by one shuffle tree for the 4 (a
-// third of 4 reductions' instructions). Each sum adds its own output's lanes in one fixed order, whatever the
-// other accumulators hold (absent ones are zero), so an output's sum does not depend on the block it is in.
-inline void store_sums4(const __m512* acc, int n, float* y) {
-  const __m512 zero = _mm512_setzero_ps();
-  const __m512 a0 = acc[0], a1 = n > 1 ? acc[1] : zero, a2 = n > 2 ? acc[2] : zero, a3 = n > 3 ? acc[3] : zero;
-  const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  // per 128-bit lane: the partial sums of the 4 outputs
-  const __m512 b = _mm512_add_ps(_mm512_shuffle_ps(a01, a23, 0x44), _mm512_shuffle_ps(a01, a23, 0xEE));
-  const __m512 c = _mm512_add_ps(b, _mm512_shuffle_f32x4(b, b, 0x4E));
-  const __m512 d = _mm512_add_ps(c, _mm512_shuffle_f32x4(c, c, 0xB1));
-  _mm_mask_storeu_ps(y, static_cast<__mmask8>((1u << n) - 1), _mm512_castps512_ps128(d));
-}
-#endif
 
 #if defined(DELTASERVE_AVX2)
 // Bytes of 8 stored values of format F.
@@ -335,6 +319,7 @@ void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, flo
       for (int j = 0; j < NO; ++j) {
         _mm_prefetch(reinterpret_cast<const char*>(rows[j] + k0 * kBytes16 / 16 + ahead), _MM_HINT_T1);
       }
+      prefetch_far_stream(rows[0], NO, p.row_bytes, k0 * kBytes16 / 16);
     }
     __m512 w[NO];
     DS_UNROLL

@@ -129,7 +129,7 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
   q.tiles = false, q.plus128 = false, q.ld = 0;
   const int64_t cols = chunk_columns(f);
   q.chunks = (K + cols - 1) / cols;
-  q.values.clear(), q.bias.clear();
+  q.values.clear(), q.bias.clear(), q.group_scales.clear();
   if (!same_lanes) q.lane_group.clear();
   const int64_t C = q.chunks, G = q.groups;
   if (!q.lanes) {
@@ -152,11 +152,13 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
       }
     }
   }
-  q.bytes.assign(T * C * cols, f == Format::kInt8 ? 128 : 0);  // columns past K: q_x = 0
+  q.bytes.assign(T * C * cols, 0);  // columns past K: q_x = 0
   q.scales.assign(T * C * 16, 0.0f);
-  if (f == Format::kInt4) q.bias.assign(T * C * 16, 0);
+  q.group_scales.resize(T * G);
+  q.bias.assign(T * C * 16, 0);
   for (int64_t t = 0; t < T; ++t) {
     quantize_row(x + t * K, K, group, row.data(), scales.data());
+    std::copy_n(scales.data(), G, q.group_scales.data() + t * G);
     uint8_t* bytes = q.bytes.data() + t * C * cols;
     // each chunk's columns to their lane_byte places (no division per column: a decode step quantizes a row for
     // every projection, and the per-column divisions were most of that)
@@ -164,23 +166,19 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
       const int8_t* from = row.data() + c * cols;
       uint8_t* to = bytes + c * cols;
       const int64_t n = std::min(cols, K - c * cols);
-      for (int64_t i = 0; i < n; ++i) {
-        const uint8_t v = static_cast<uint8_t>(from[i]);
-        to[lane_byte(f, i)] = f == Format::kInt8 ? static_cast<uint8_t>(v ^ 0x80) : v;
-      }
+      for (int64_t i = 0; i < n; ++i) to[lane_byte(f, i)] = static_cast<uint8_t>(from[i]);
     }
     for (int64_t c = 0; c < C; ++c) {
       const int64_t first_group = cols * c / group;  // lane_group is relative to it
       for (int64_t l = 0; l < 16; ++l) {
         const int64_t at = (t * C + c) * 16 + l;
         q.scales[at] = scales[first_group + q.lane_group[c * 16 + l]];
-        if (f != Format::kInt4) continue;
-        int32_t sum = 0;  // the lane's 8 columns: 4 even ones, then 4 odd ones
+        int32_t sum = 0;  // the lane's columns (int8: 4; int4: 8, 4 even ones, then 4 odd ones)
         for (int m = 0; m < 4; ++m) {
           const uint8_t* lane = bytes + c * cols + 4 * l + m;
-          sum += static_cast<int8_t>(lane[0]) + static_cast<int8_t>(lane[64]);
+          sum += static_cast<int8_t>(lane[0]) + (f == Format::kInt4 ? static_cast<int8_t>(lane[64]) : 0);
         }
-        q.bias[at] = -8 * sum;
+        q.bias[at] = (f == Format::kInt4 ? -8 : -128) * sum;
       }
     }
   }
@@ -222,7 +220,7 @@ void plain_part(const WeightPart& p, int64_t row0, int64_t count, const Quantize
 // `window`, the output's widened scales from a group on).
 template <Format F>
 struct OutputChunk {
-  __m512i w, w2, start;
+  __m512i w, w2;
   __m512 scale;
 };
 
@@ -230,11 +228,10 @@ template <Format F>
 inline OutputChunk<F> output_chunk(const uint8_t* row, int64_t k0, int64_t K, int64_t row_bytes, __m512 window,
                                    __m512i rel) {
   OutputChunk<F> o;
-  const __m512i zero = _mm512_setzero_si512();
   if constexpr (F == Format::kInt8) {
     const int64_t n = K - k0;  // columns of this chunk (past K: zero weights)
-    o.w = n >= 64 ? _mm512_loadu_si512(row + k0) : _mm512_maskz_loadu_epi8((1ull << n) - 1, row + k0);
-    o.start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(static_cast<char>(0x80)), o.w));
+    const __m512i w = n >= 64 ? _mm512_loadu_si512(row + k0) : _mm512_maskz_loadu_epi8((1ull << n) - 1, row + k0);
+    o.w = _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));  // q_w + 128, as u8
   } else {
     const int64_t n = row_bytes - k0 / 2;  // bytes of this chunk (past the row: zero weights, zero x)
     const __m512i b = n >= 64 ? _mm512_loadu_si512(row + k0 / 2)
@@ -242,7 +239,6 @@ inline OutputChunk<F> output_chunk(const uint8_t* row, int64_t k0, int64_t K, in
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     o.w = _mm512_and_si512(b, nibble);
     o.w2 = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
-    o.start = zero;
   }
   o.scale = _mm512_permutexvar_ps(rel, window);
   return o;
@@ -254,17 +250,18 @@ inline __m512 scale_window(const uint16_t* scales, int64_t g, __mmask16 have) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(s, 16));
 }
 
-// acc += the chunk's lanes of one row (x bytes xv, int4's odd columns xv2, lane scales sx, int4's lane bias)
-// times one output.
+// acc += the chunk's lanes of one row (x bytes xv, int4's odd columns xv2, lane bias) times one output, each
+// lane's int32 dot times its scale_x x scale_w (lane_scales).
 template <Format F>
-inline __m512 add_product(__m512 acc, const OutputChunk<F>& o, __m512i xv, __m512i xv2, __m512 sx, __m512i bias) {
+inline __m512 add_product(__m512 acc, const OutputChunk<F>& o, __m512i xv, __m512i xv2, __m512 lane_scales,
+                          __m512i bias) {
   __m512i d;
   if constexpr (F == Format::kInt8) {
-    d = _mm512_dpbusd_epi32(o.start, xv, o.w);  // (q_x + 128) q_w - 128 q_w
+    d = _mm512_dpbusd_epi32(bias, o.w, xv);  // (q_w + 128) q_x - 128 q_x
   } else {
     d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(bias, o.w, xv), o.w2, xv2);  // (q_w + 8) q_x - 8 q_x
   }
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sx, o.scale), acc);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), lane_scales, acc);
 }
 
 // R rows of q (from t0) times NO consecutive weight rows of part p (from local row row0), a chunk (64 weight
@@ -299,36 +296,41 @@ void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_
       gw = g0;
       const __mmask16 have = p.groups - gw >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (p.groups - gw)) - 1);
       for (int j = 0; j < NO; ++j) window[j] = scale_window(srows[j], gw, have);
+      if constexpr (R == 1) {  // one row: its scale_x of those groups multiplied in once, not per chunk
+        const __m512 x_window = _mm512_maskz_loadu_ps(have, q.group_scales.data() + t0 * p.groups + gw);
+        for (int j = 0; j < NO; ++j) window[j] = _mm512_mul_ps(x_window, window[j]);
+      }
     }
     const __m512i rel = _mm512_add_epi32(_mm512_loadu_si512(q.lane_group.data() + 16 * c),
                                          _mm512_set1_epi32(static_cast<int>(g0 - gw)));
-    // row r's chunk: its bytes (int4: the even columns', then the odd ones'), lane scales and (int4) lane bias
-    auto row_chunk = [&](int r, __m512i& xv, __m512i& xv2, __m512& sx, __m512i& bias) {
+    // row r's chunk: its bytes (int4: the even columns', then the odd ones') and lane bias
+    auto row_chunk = [&](int r, __m512i& xv, __m512i& xv2, __m512i& bias) {
       const int64_t at = (t0 + r) * C + c;
       xv = _mm512_loadu_si512(q.bytes.data() + at * cols);
       xv2 = F == Format::kInt4 ? _mm512_loadu_si512(q.bytes.data() + at * cols + 64) : _mm512_setzero_si512();
-      sx = _mm512_loadu_ps(q.scales.data() + at * 16);
-      bias = F == Format::kInt4 ? _mm512_loadu_si512(q.bias.data() + at * 16) : _mm512_setzero_si512();
+      bias = _mm512_loadu_si512(q.bias.data() + at * 16);
     };
     __m512i xv, xv2, bias;
-    __m512 sx;
     if constexpr (R == 1) {  // one output at a time: its registers die at once (8 outputs' would spill)
-      row_chunk(0, xv, xv2, sx, bias);
+      row_chunk(0, xv, xv2, bias);
       for (int j = 0; j < NO; ++j) {
         const OutputChunk<F> o = output_chunk<F>(rows[j], k0, K, p.row_bytes, window[j], rel);
-        acc[0][j] = add_product<F>(acc[0][j], o, xv, xv2, sx, bias);
+        acc[0][j] = add_product<F>(acc[0][j], o, xv, xv2, o.scale, bias);
       }
     } else {  // the outputs' chunks once, for every row
       OutputChunk<F> o[NO];
       for (int j = 0; j < NO; ++j) o[j] = output_chunk<F>(rows[j], k0, K, p.row_bytes, window[j], rel);
       for (int r = 0; r < R; ++r) {
-        row_chunk(r, xv, xv2, sx, bias);
-        for (int j = 0; j < NO; ++j) acc[r][j] = add_product<F>(acc[r][j], o[j], xv, xv2, sx, bias);
+        row_chunk(r, xv, xv2, bias);
+        const __m512 sx = _mm512_loadu_ps(q.scales.data() + ((t0 + r) * C + c) * 16);  // lane scale_x
+        for (int j = 0; j < NO; ++j) {
+          acc[r][j] = add_product<F>(acc[r][j], o[j], xv, xv2, _mm512_mul_ps(sx, o[j].scale), bias);
+        }
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < NO; ++j) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r][j]);
+  for (int r = 0; r < R; ++r) {  // (store_sums4: short rows, an expert's 256 inputs, spend a fifth on the sums)
+    for (int j = 0; j < NO; j += 4) store_sums4(acc[r] + j, std::min(4, NO - j), y + r * ldy + j);
   }
 }
 
@@ -614,7 +616,7 @@ const QuantizedRows& layout_for(const ActivationRows& a, const WeightPart& p) {
 void dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
   q.lanes = false, q.avx2 = false, q.tiles = false, q.plus128 = false, q.chunks = 0, q.ld = 0;
-  q.bytes.clear(), q.scales.clear(), q.bias.clear(), q.lane_group.clear();
+  q.bytes.clear(), q.scales.clear(), q.bias.clear(), q.lane_group.clear(), q.group_scales.clear();
   q.values.resize(T * K);
   thread_local std::vector<int8_t> row;
   thread_local std::vector<float> scales;
@@ -632,7 +634,7 @@ void dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t gro
 void tiles_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, bool plus128, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
   q.lanes = false, q.avx2 = false, q.tiles = true, q.plus128 = plus128, q.chunks = 0, q.ld = q.groups * group;
-  q.values.clear(), q.bias.clear(), q.lane_group.clear();
+  q.values.clear(), q.bias.clear(), q.lane_group.clear(), q.group_scales.clear();
   q.bytes.assign((T + kTileSlack) * q.ld, 0);
   q.scales.assign((T + kTileSlack) * q.groups, 0.0f);
   for (int64_t t = 0; t < T; ++t) {
@@ -688,8 +690,8 @@ void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, Act
     // Its only caller (moe.cpp) quantizes its rows without the tile layout (tiles = false): gathering tile
     // rows would also need their kTileSlack rows of zeros, which nothing here does.
     TORCH_CHECK(!f.tiles, "gather_rows: rows in the AMX tile layout are not gathered (moe.cpp quantizes without it)");
-    // per row: lanes [chunks, 64] bytes and [chunks, 16] scales (and int4 biases); plain [K] and [groups];
-    // prompt rows [K] values
+    // per row: lanes [chunks, 64] bytes, [chunks, 16] scales and biases, [groups] group scales; plain [K] and
+    // [groups]; prompt rows [K] values
     const int64_t bytes = f.lanes ? f.chunks * chunk_columns(f.format) : f.K;
     const int64_t lanes = f.lanes ? f.chunks * 16 : f.groups;
     const auto take = [&](const auto& src, auto& dst, int64_t per_row) {
@@ -701,6 +703,7 @@ void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, Act
     take(f.bytes, q.bytes, bytes);
     take(f.scales, q.scales, lanes);
     take(f.bias, q.bias, lanes);
+    take(f.group_scales, q.group_scales, f.groups);
     take(f.values, q.values, f.K);
   }
 }

@@ -3,10 +3,10 @@
 // x once, per row and per group of the weights' `group` columns, to int8 with an fp32 scale (amax / 127,
 // round to nearest even), and each weight row is streamed once, as stored, through AVX512-VNNI's vpdpbusd
 // (u8 x s8 -> int32, four products per lane):
-//   - int8 weights: the activations go in as u8 q_x + 128, the weights as they are (s8); the extra 128 x
-//     sum(q_w) of each lane is subtracted by starting the lane's accumulator at -vpdpbusd(128, q_w), which is
-//     computed once per output and 64 weights and shared by every row. (Moving the sign of x onto w instead,
-//     |q_x| u8 x sign(x) q_w, costs a masked negate per row and output: more for rows >= 2.)
+//   - int8 weights: the weights go in as u8 q_w + 128 (their sign bit flipped as they are loaded), x as s8;
+//     the extra 128 x sum(q_x) of each lane is the accumulator's start, computed once per row when x is
+//     quantized. (Until 2026-12-07 x went in as u8 q_x + 128 and the lanes started at -vpdpbusd(128, q_w),
+//     two instructions per output and 64 weights where the flip is one.)
 //   - int4 weights: the stored nibble q_w + 8 is already u8 and x is s8; the extra 8 x sum(q_x) of each lane
 //     is the accumulator's start, computed once per row when x is quantized. The 64 bytes of 128 columns
 //     are split into their low nibbles (the even columns) and high ones (the odd columns), two vpdpbusd into
@@ -14,7 +14,8 @@
 //     64 columns, 32 bytes widened into both halves of a register, took twice the instructions per byte:
 //     the 0.8B's int4 decode read 37% of the machine's bandwidth.)
 // Each lane's int32 dot (int8: 4 columns; int4: 8; of one group) is converted to fp32 once per chunk and
-// multiplied by its group's scale_x x scale_w; the 16 lanes are summed at the end. This needs every lane
+// multiplied by its group's scale_x x scale_w (a decode step's one row: those products formed once per 16
+// groups, not per chunk); the 16 lanes are summed at the end. This needs every lane
 // inside one group: a group that is a multiple of 8 (the default 32 is). Builds with AVX2 but not AVX-512
 // run an AVX2 kernel (vpmaddubsw, 32 columns a step: linear_int.cpp int_block_avx2) where the group and K are
 // multiples of 32. Other groups, and other builds (the portable one), compute the same scheme with plain
@@ -49,13 +50,15 @@ struct QuantizedRows {
   int64_t group = 0, groups = 0, K = 0;
   bool lanes = false;  // the VNNI layout (below); else plain: bytes [T, K] q_x, scales [T, groups]
   int64_t chunks = 0;  // chunk_columns(format) each
-  // lanes: bytes [T, chunks, chunk_columns] (int8: q_x + 128 in column order; int4: each chunk's even columns'
-  // q_x, then its odd ones'), scales [T, chunks, 16] (each lane's group's scale_x), bias [T, chunks, 16] (int4:
-  // -8 x the sum of the lane's q_x), lane_group [chunks, 16] (the lane's group minus the chunk's first) and
-  // span (the most groups a chunk's lanes span: 1 + the largest lane_group).
+  // lanes: bytes [T, chunks, chunk_columns] (int8: q_x in column order; int4: each chunk's even columns' q_x,
+  // then its odd ones'), scales [T, chunks, 16] (each lane's group's scale_x), group_scales [T, groups] (each
+  // group's), bias [T, chunks, 16] (-128 (int8) or -8 (int4) x the sum of the lane's q_x), lane_group
+  // [chunks, 16] (the lane's group minus the chunk's first) and span (the most groups a chunk's lanes span:
+  // 1 + the largest lane_group).
   std::vector<uint8_t> bytes;
   std::vector<float> scales;
   std::vector<int32_t> bias, lane_group;
+  std::vector<float> group_scales;
   int64_t span = 1;
   // avx2: the AVX2 kernel's layout (builds with AVX2 but not AVX-512; the groups and K it takes:
   // linear_int.cpp avx2_int_kernel_takes): plain, except that int4 rows hold each 64 columns' 32 even ones, then
