@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.model.huge_pages import weight_memory
 from deltaserve.ops.activation_quant import (
     fake_quantize,
     reads_bf16_activations,
@@ -85,11 +86,11 @@ def store(module: StoredWeights, fmt: WeightFormat, device: torch.device | str =
     """Replace module's weights by empty ones of its shapes in fmt on device (the loader fills them)."""
     for name in module.WEIGHTS:
         *lead, n, k = module.logical_shape(name)
-        data = torch.empty(*lead, *fmt.data_shape(n, k), dtype=fmt.data_dtype, device=device)
+        data = weight_memory((*lead, *fmt.data_shape(n, k)), fmt.data_dtype, device)
         module.register_parameter(name, nn.Parameter(data, requires_grad=False))
         scale = fmt.scale_shape(n, k)
         module.register_parameter(scale_name(name), None if scale is None else nn.Parameter(
-            torch.empty(*lead, *scale, dtype=fmt.scale_dtype, device=device), requires_grad=False))
+            weight_memory((*lead, *scale), fmt.scale_dtype, device), requires_grad=False))
     module._quantized = fmt if fmt.quantized else None
 
 
