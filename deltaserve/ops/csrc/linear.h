@@ -121,9 +121,9 @@ constexpr int64_t kFarPrefetchBytes = 0;
 // Called where prefetch_next_block is (or, by the float AVX-512 kernel, beside its own lines of the next block),
 // this prefetches into L2 the next block's bytes front to back at the block's pace (n lines a call), from
 // kFarPrefetchBytes past its start: a second, farther stream, which keeps more lines on their way from memory
-// than the next block's alone. An AMD EPYC Zen 4, 1 thread, decode at batch 1 (the engine, old against new
-// alternating): the bf16 MoE checkpoint of bench_moe 1.16-1.21x, int8 1.13-1.16x; the 0.8B shape bf16
-// 1.04-1.10x, int8 1.07-1.09x (4, 8 and 12 KB gave much the same; 24 KB less).
+// than the next block's alone. An AMD EPYC Zen 4, 1 thread, decode at batch 1 (one engine, the stream switched
+// off and on between runs): bench_moe's MoE bf16 1.16-1.21x, int8 1.13-1.16x; the 0.8B shape bf16 1.04-1.10x,
+// int8 1.07-1.09x (4, 8 and 12 KB gave much the same; 24 KB less).
 __attribute__((always_inline)) inline void prefetch_far_stream(const uint8_t* block, int64_t n, int64_t row_bytes,
                                                                 int64_t at) {
   if constexpr (kFarPrefetchBytes > 0) {
