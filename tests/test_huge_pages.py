@@ -46,9 +46,11 @@ def test_a_large_weight_starts_on_a_huge_page_and_its_whole_huge_pages_are_advis
     if "THPeligible" not in fields:
         pytest.skip("this kernel's smaps has no THPeligible field")
     assert fields["THPeligible"] == "1"
-    # the advice covers the whole huge pages only: the tail's mapping is another, not advised
-    assert start == weight.data_ptr() and end == weight.data_ptr() + 2 * HUGE_PAGE
+    # the advice covers the whole huge pages only (its mapping may have merged with a neighbour's advised one):
+    # the tail's mapping is another, not advised
+    assert start <= weight.data_ptr() and end >= weight.data_ptr() + 2 * HUGE_PAGE
     tail = mapping_of(weight.data_ptr() + 2 * HUGE_PAGE)
+    assert tail[0] == weight.data_ptr() + 2 * HUGE_PAGE
     if "[always]" not in _THP.read_text():
         assert tail[2]["THPeligible"] == "0"
 
