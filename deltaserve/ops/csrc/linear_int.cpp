@@ -129,7 +129,7 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
   q.tiles = false, q.plus128 = false, q.ld = 0;
   const int64_t cols = chunk_columns(f);
   q.chunks = (K + cols - 1) / cols;
-  q.values.clear(), q.bias.clear(), q.group_scales.clear();
+  q.values.clear(), q.bias.clear();
   if (!same_lanes) q.lane_group.clear();
   const int64_t C = q.chunks, G = q.groups;
   if (!q.lanes) {
@@ -141,8 +141,7 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
     return;
   }
   thread_local std::vector<int8_t> row;
-  thread_local std::vector<float> scales;
-  row.resize(K), scales.resize(G);
+  row.resize(K);
   if (!same_lanes) {
     q.lane_group.resize(C * 16), q.span = 1;
     for (int64_t c = 0; c < C; ++c) {
@@ -153,12 +152,10 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
     }
   }
   q.bytes.assign(T * C * cols, 0);  // columns past K: q_x = 0
-  q.scales.assign(T * C * 16, 0.0f);
-  q.group_scales.resize(T * G);
+  q.scales.resize(T * G);
   q.bias.assign(T * C * 16, 0);
   for (int64_t t = 0; t < T; ++t) {
-    quantize_row(x + t * K, K, group, row.data(), scales.data());
-    std::copy_n(scales.data(), G, q.group_scales.data() + t * G);
+    quantize_row(x + t * K, K, group, row.data(), q.scales.data() + t * G);
     uint8_t* bytes = q.bytes.data() + t * C * cols;
     // each chunk's columns to their lane_byte places (no division per column: a decode step quantizes a row for
     // every projection, and the per-column divisions were most of that)
@@ -169,10 +166,8 @@ void quantize_for(const float* x, int64_t T, int64_t K, Format f, int64_t group,
       for (int64_t i = 0; i < n; ++i) to[lane_byte(f, i)] = static_cast<uint8_t>(from[i]);
     }
     for (int64_t c = 0; c < C; ++c) {
-      const int64_t first_group = cols * c / group;  // lane_group is relative to it
       for (int64_t l = 0; l < 16; ++l) {
         const int64_t at = (t * C + c) * 16 + l;
-        q.scales[at] = scales[first_group + q.lane_group[c * 16 + l]];
         int32_t sum = 0;  // the lane's columns (int8: 4; int4: 8, 4 even ones, then 4 odd ones)
         for (int m = 0; m < 4; ++m) {
           const uint8_t* lane = bytes + c * cols + 4 * l + m;
@@ -283,6 +278,7 @@ void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_
   // chunk's lanes span q.span groups, at most 16): a third fewer instructions per chunk than widening its own
   // scales.
   __m512 window[NO];
+  __m512 x_window[R];  // each row's scale_x of the same 16 groups
   int64_t gw = -16;
   // While a block streams its NO weight rows, the next block is prefetched at the same pace
   // (prefetch_next_block: one stream for a small block, else each row's line into L2; for long rows, int8,
@@ -296,9 +292,11 @@ void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_
       gw = g0;
       const __mmask16 have = p.groups - gw >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (p.groups - gw)) - 1);
       for (int j = 0; j < NO; ++j) window[j] = scale_window(srows[j], gw, have);
+      for (int r = 0; r < R; ++r) {
+        x_window[r] = _mm512_maskz_loadu_ps(have, q.scales.data() + (t0 + r) * p.groups + gw);
+      }
       if constexpr (R == 1) {  // one row: its scale_x of those groups multiplied in once, not per chunk
-        const __m512 x_window = _mm512_maskz_loadu_ps(have, q.group_scales.data() + t0 * p.groups + gw);
-        for (int j = 0; j < NO; ++j) window[j] = _mm512_mul_ps(x_window, window[j]);
+        for (int j = 0; j < NO; ++j) window[j] = _mm512_mul_ps(x_window[0], window[j]);
       }
     }
     const __m512i rel = _mm512_add_epi32(_mm512_loadu_si512(q.lane_group.data() + 16 * c),
@@ -322,7 +320,7 @@ void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_
       for (int j = 0; j < NO; ++j) o[j] = output_chunk<F>(rows[j], k0, K, p.row_bytes, window[j], rel);
       for (int r = 0; r < R; ++r) {
         row_chunk(r, xv, xv2, bias);
-        const __m512 sx = _mm512_loadu_ps(q.scales.data() + ((t0 + r) * C + c) * 16);  // lane scale_x
+        const __m512 sx = _mm512_permutexvar_ps(rel, x_window[r]);  // each lane's scale_x
         for (int j = 0; j < NO; ++j) {
           acc[r][j] = add_product<F>(acc[r][j], o[j], xv, xv2, _mm512_mul_ps(sx, o[j].scale), bias);
         }
@@ -616,7 +614,7 @@ const QuantizedRows& layout_for(const ActivationRows& a, const WeightPart& p) {
 void dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
   q.lanes = false, q.avx2 = false, q.tiles = false, q.plus128 = false, q.chunks = 0, q.ld = 0;
-  q.bytes.clear(), q.scales.clear(), q.bias.clear(), q.lane_group.clear(), q.group_scales.clear();
+  q.bytes.clear(), q.scales.clear(), q.bias.clear(), q.lane_group.clear();
   q.values.resize(T * K);
   thread_local std::vector<int8_t> row;
   thread_local std::vector<float> scales;
@@ -634,7 +632,7 @@ void dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t gro
 void tiles_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, bool plus128, QuantizedRows& q) {
   q.format = f, q.group = group, q.K = K, q.groups = (K + group - 1) / group;
   q.lanes = false, q.avx2 = false, q.tiles = true, q.plus128 = plus128, q.chunks = 0, q.ld = q.groups * group;
-  q.values.clear(), q.bias.clear(), q.lane_group.clear(), q.group_scales.clear();
+  q.values.clear(), q.bias.clear(), q.lane_group.clear();
   q.bytes.assign((T + kTileSlack) * q.ld, 0);
   q.scales.assign((T + kTileSlack) * q.groups, 0.0f);
   for (int64_t t = 0; t < T; ++t) {
@@ -690,10 +688,9 @@ void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, Act
     // Its only caller (moe.cpp) quantizes its rows without the tile layout (tiles = false): gathering tile
     // rows would also need their kTileSlack rows of zeros, which nothing here does.
     TORCH_CHECK(!f.tiles, "gather_rows: rows in the AMX tile layout are not gathered (moe.cpp quantizes without it)");
-    // per row: lanes [chunks, 64] bytes, [chunks, 16] scales and biases, [groups] group scales; plain [K] and
-    // [groups]; prompt rows [K] values
+    // per row: lanes [chunks, 64] bytes, [groups] scales, [chunks, 16] biases; plain [K] and [groups]; prompt
+    // rows [K] values
     const int64_t bytes = f.lanes ? f.chunks * chunk_columns(f.format) : f.K;
-    const int64_t lanes = f.lanes ? f.chunks * 16 : f.groups;
     const auto take = [&](const auto& src, auto& dst, int64_t per_row) {
       dst.resize(src.empty() ? 0 : n * per_row);
       for (int64_t r = 0; r < n && !src.empty(); ++r) {
@@ -701,9 +698,8 @@ void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, Act
       }
     };
     take(f.bytes, q.bytes, bytes);
-    take(f.scales, q.scales, lanes);
-    take(f.bias, q.bias, lanes);
-    take(f.group_scales, q.group_scales, f.groups);
+    take(f.scales, q.scales, f.groups);
+    take(f.bias, q.bias, f.lanes ? f.chunks * 16 : f.groups);
     take(f.values, q.values, f.K);
   }
 }

@@ -51,14 +51,13 @@ struct QuantizedRows {
   bool lanes = false;  // the VNNI layout (below); else plain: bytes [T, K] q_x, scales [T, groups]
   int64_t chunks = 0;  // chunk_columns(format) each
   // lanes: bytes [T, chunks, chunk_columns] (int8: q_x in column order; int4: each chunk's even columns' q_x,
-  // then its odd ones'), scales [T, chunks, 16] (each lane's group's scale_x), group_scales [T, groups] (each
-  // group's), bias [T, chunks, 16] (-128 (int8) or -8 (int4) x the sum of the lane's q_x), lane_group
-  // [chunks, 16] (the lane's group minus the chunk's first) and span (the most groups a chunk's lanes span:
-  // 1 + the largest lane_group).
+  // then its odd ones'), scales [T, groups] as plain, bias [T, chunks, 16] (-128 (int8) or -8 (int4) x the sum
+  // of the lane's q_x), lane_group [chunks, 16] (the lane's group minus the chunk's first: the kernel spreads
+  // 16 groups' scales over a chunk's lanes with it) and span (the most groups a chunk's lanes span: 1 + the
+  // largest lane_group).
   std::vector<uint8_t> bytes;
   std::vector<float> scales;
   std::vector<int32_t> bias, lane_group;
-  std::vector<float> group_scales;
   int64_t span = 1;
   // avx2: the AVX2 kernel's layout (builds with AVX2 but not AVX-512; the groups and K it takes:
   // linear_int.cpp avx2_int_kernel_takes): plain, except that int4 rows hold each 64 columns' 32 even ones, then
