@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from deltaserve.config import VisionConfig
 from deltaserve.model.gdn import l2norm
 from deltaserve.model.layers import GatedRMSNorm, RMSNorm, RotaryEmbedding
-from deltaserve.model.vision import PatchMerger, VisionBlock
+from deltaserve.model.vision import PatchMerger, VisionBlock, attend, attend_bf16
 from deltaserve.model.vision import rotate as vision_rotate
 from deltaserve.ops.attention import decode_attention, prefill_attention, quantize_fp8
 from deltaserve.ops.conv import causal_conv1d_reference
@@ -214,6 +214,30 @@ def test_rotary_qk_bf16_in_place_is_the_vision_rotary_of_q_and_k(ext) -> None:
         ext.rotary_qk_bf16_(qkv[:, :2].contiguous(), cos, sin)
     with pytest.raises(RuntimeError, match="cos, sin"):
         ext.rotary_qk_bf16_(qkv, cos[:-1].contiguous(), sin[:-1].contiguous())
+
+
+@pytest.mark.parametrize("heads, hd, segments", [(12, 64, [784]), (4, 8, [20, 64, 80]), (3, 72, [5, 32, 1]),
+                                                 (2, 128, [17, 33]), (1, 2, [3])])
+def test_vision_attention_bf16_is_attend_bf16(ext, heads, hd, segments) -> None:
+    """The bf16 scheme's attention (bf16 pairs, an fp32 softmax) against its torch reference, model/vision.py
+    attend_bf16: within a rounding step of the bf16 output (the sums' order moves an exponential's bf16
+    rounding now and then). The reference itself is the fp32 attention within bf16's rounding."""
+    if not ext.BF16_PAIR_KERNEL:
+        pytest.skip("this build does not multiply bf16 pairs (no AVX512-BF16): the tower runs torch's SDPA")
+    g = torch.Generator().manual_seed(hd)
+    N = sum(segments)
+    qkv = (2 * torch.randn(N, 3, heads, hd, generator=g)).to(torch.bfloat16)
+    q, k, v = qkv.unbind(1)
+    got = ext.vision_attention_bf16(qkv, segments)
+    expected = attend_bf16(q, k, v, segments)
+    assert got.dtype == torch.bfloat16 and got.shape == (N, heads * hd)
+    torch.testing.assert_close(got.view(N, heads, hd).float(), expected.float(), atol=1e-3, rtol=2**-7)
+    exact = attend(q.float(), k.float(), v.float(), segments)
+    torch.testing.assert_close(expected.float(), exact, atol=2e-2, rtol=2e-2)
+    with pytest.raises(RuntimeError, match="head_dim even and at most 128"):
+        ext.vision_attention_bf16(torch.zeros(4, 3, 1, 130, dtype=torch.bfloat16), [4])
+    with pytest.raises(RuntimeError, match="segments: row counts summing to N"):
+        ext.vision_attention_bf16(qkv, [N - 1])
 
 
 def test_add_layer_norm_bf16_adds_the_product_then_normalizes_like_torch(ext) -> None:

@@ -118,6 +118,9 @@ def test_bf16_tower_runs_bf16_dot_products_within_bf16_rounding(bf16_llm, monkey
     assert seen.converted and all(len(shape) > 1 for shape in seen.converted)
     # torch runs the merger's exact GELU; the blocks' tanh GELU runs in the C++ step's bf16 kernel.
     assert seen.ops[torch.ops.aten.gelu_.default] == 1 and seen.ops[torch.ops.aten.gelu.default] == 0
+    # The attention is the C++ step's bf16 kernel where the build has it, else torch's SDPA (in bf16).
+    sdpa = sum(n for op, n in seen.ops.items() if "scaled_dot_product" in str(op))
+    assert (sdpa == 0) == llm.engine.executor._vision.ext.BF16_PAIR_KERNEL
     assert fast.dtype == torch.float32 and not torch.equal(fast, reference)
     scale = reference.abs().max().item()
     torch.testing.assert_close(fast, reference, atol=2e-2 * scale, rtol=2e-2)

@@ -8,7 +8,8 @@ all stored in bf16 (as the released checkpoints are; a small call runs the fp32 
 - each projection's bias is added in the product in bf16, from a copy cast once (not on every call);
 - the residual stream stays fp32, and LayerNorm, rotary and the MLP's activation compute in fp32, as in the
   reference; what they produce is a projection's input (or the attention's), rounded once to bf16;
-- the attention runs in bf16 (torch's SDPA).
+- the attention multiplies bf16 values too, its softmax in fp32 (model/vision.py attend_bf16; the C++ step's
+  vision_attention_bf16 where the CPU has AVX512-BF16, else torch's bf16 SDPA).
 The element-wise steps between the products run in the C++ step's kernels (ops/csrc/vision.h), one pass each
 over bf16 in / out: the residual add fused with the next LayerNorm, q and k rotated in place in the qkv
 product, the tanh GELU in place. torch's mixed-dtype ops made a converted copy of each operand, and its tanh
@@ -221,11 +222,19 @@ class FastVisionTower:
             N = x.shape[0]
             qkv_out = qkv(ext.add_layer_norm_bf16(x, pending, *norm1)).view(N, 3, a.num_heads, a.head_dim)
             ext.rotary_qk_bf16_(qkv_out, tables.cos, tables.sin)
-            attended = proj(attend(*qkv_out.unbind(1), segments).reshape(N, -1))
+            attended = proj(self._attend_bf16(qkv_out, segments))
             hidden = self._activate_(block, fc1(ext.add_layer_norm_bf16(x, attended, *norm2)))
             pending = fc2(hidden)
         merger = self.tower.merger
         return self._merger_products(ext.add_layer_norm_bf16(x, pending, *self.merger_norm).view(-1, merger.merged))
+
+    def _attend_bf16(self, qkv: torch.Tensor, segments: list[int]) -> torch.Tensor:
+        """The attention of the bf16 scheme: qkv [N, 3, heads, hd] bf16 -> [N, heads * hd] bf16. The C++ step's
+        kernel where the build multiplies bf16 pairs (model/vision.py attend_bf16's numbers, 2.0-2.1x torch's
+        bf16 SDPA at the 0.8B tower's 784 patches, 1 and 2 threads), else torch's SDPA in bf16."""
+        if self.ext.BF16_PAIR_KERNEL:
+            return self.ext.vision_attention_bf16(qkv, segments)
+        return attend(*qkv.unbind(1), segments).reshape(qkv.shape[0], -1)
 
     def _block(self, block: VisionBlock, qkv: Projection, proj: Projection, fc1: Projection, fc2: Projection,
                x: torch.Tensor, tables: Tables, segments: list[int]) -> torch.Tensor:

@@ -384,6 +384,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_layer_norm_bf16", &add_layer_norm_bf16, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "x (fp32 [T, n]) += y (bf16, or None) in place, then LayerNorm(x) * weight + bias in bf16 (vision.h)",
         pybind11::arg("x"), pybind11::arg("y"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("eps"));
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  m.def("vision_attention_bf16", &vision_attention_bf16, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "attention of q, k, v from qkv [N, 3, heads, head_dim] bf16 within each of `segments` (consecutive row "
+        "counts), as bf16 dot products: bf16 [N, heads * head_dim] (vision.h)",
+        pybind11::arg("qkv"), pybind11::arg("segments"));
+#endif
   m.def("vision_block_f32", &vision_block_f32_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "VisionBlock.forward in fp32 on the residual stream x [N, hidden] in place; norms (weight, bias, eps), "
         "projections (part, fp32 bias); segments: row counts attending within themselves (vision.h)",

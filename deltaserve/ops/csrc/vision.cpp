@@ -12,6 +12,10 @@
 #include "parallel.h"
 #include "simd.h"
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace deltaserve {
 
 namespace {
@@ -232,6 +236,143 @@ void segment_attention(const float* qkv, int64_t heads, int64_t hd, const std::v
   });
 }
 
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// vision_attention_bf16's blocks: keys per block of scores (two vectors), query rows per tile of scores (2 x 8
+// accumulators) and per tile of outputs (4 x head_dim / 16), query rows per work item, and the widest head.
+constexpr int64_t kPairKeyBlock = 32;
+constexpr int kScoreTileRows = 8;
+constexpr int kOutputTileRows = 4;
+constexpr int64_t kQueryRowsPerItem = 128;
+constexpr int kMaxDimVectors = 8;  // head_dim up to 128
+
+// One (segment, head)'s keys and values as vdpbf16ps operands: keys [head_dim / 2][n_pad] 32-bit words (word c
+// of key j: its dims 2c, 2c + 1), values [n_pad / 2][hd_pad] words (word d of key pair p: dim d of keys 2p and
+// 2p + 1); the padding zero.
+struct PairOperands {
+  std::vector<uint32_t> keys, values;
+  int64_t n_pad = 0, hd_pad = 0;
+
+  void pack(const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n, int64_t hd) {
+    n_pad = round_up(n, kPairKeyBlock), hd_pad = round_up(hd, 16);
+    const int64_t pairs = hd / 2;
+    keys.assign(pairs * n_pad, 0u);
+    values.assign(n_pad / 2 * hd_pad, 0u);
+    // keys: 16 keys' words at a time, transposed in registers (simd.h)
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      for (int64_t c0 = 0; c0 < pairs; c0 += 16) {
+        const __mmask16 words = static_cast<__mmask16>((1u << std::min<int64_t>(16, pairs - c0)) - 1);
+        __m512 w[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          w[i] = j0 + i < n ? _mm512_maskz_loadu_ps(words, k + (j0 + i) * stride + 2 * c0) : _mm512_setzero_ps();
+        }
+        transpose16(w);  // w[c]: word c0 + c of the 16 keys
+        for (int64_t c = 0; c < std::min<int64_t>(16, pairs - c0); ++c) {
+          _mm512_storeu_ps(reinterpret_cast<float*>(keys.data() + (c0 + c) * n_pad + j0), w[c]);
+        }
+      }
+    }
+    // values: two keys' dims interleaved, 32 dims at a time
+    const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+    for (int64_t j = 0; j < n; j += 2) {
+      uint32_t* to = values.data() + j / 2 * hd_pad;
+      for (int64_t d = 0; d < hd; d += 32) {
+        const __mmask32 dims = hd - d >= 32 ? ~0u : (1u << (hd - d)) - 1;
+        const __m512i a = _mm512_maskz_loadu_epi16(dims, v + j * stride + d);
+        const __m512i b = j + 1 < n ? _mm512_maskz_loadu_epi16(dims, v + (j + 1) * stride + d) : _mm512_setzero_si512();
+        _mm512_storeu_si512(to + d, _mm512_permutex2var_epi16(a, first, b));  // dims d .. d + 15
+        if (hd - d > 16) _mm512_storeu_si512(to + d + 16, _mm512_permutex2var_epi16(a, second, b));
+      }
+    }
+  }
+};
+
+// scores [R][n_pad] = q_r . k_j for R query rows (q[r]: the row's head_dim / 2 words) and every key.
+template <int R>
+void pair_scores(const uint32_t* const* q, int64_t pairs, const PairOperands& kv, float* scores) {
+  for (int64_t j0 = 0; j0 < kv.n_pad; j0 += kPairKeyBlock) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const uint32_t* kc = kv.keys.data() + j0;
+    for (int64_t c = 0; c < pairs; ++c, kc += kv.n_pad) {
+      const __m512bh k0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kc));
+      const __m512bh k1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kc + 16));
+      for (int r = 0; r < R; ++r) {
+        const __m512bh qb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(q[r][c])));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qb, k0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qb, k1);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(scores + r * kv.n_pad + j0, acc[r][0]);
+      _mm512_storeu_ps(scores + r * kv.n_pad + j0 + 16, acc[r][1]);
+    }
+  }
+}
+
+// s[j] <- exp(s[j] - mx) for j < n; returns their sum. A function of its own: inside exp_pairs the compiler
+// stopped inlining vexp, and the loop ran a call per score (2x the whole attention's time, measured).
+float exp_minus(float* s, int64_t n, float mx) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = vexp(s[j] - mx);
+    sum += s[j];
+  }
+  return sum;
+}
+
+// One row of scores (n of n_pad valid) -> exp(scale s - max) rounded to bf16, as n_pad / 2 words of key pairs
+// (the padding's 0); returns the fp32 sum of the unrounded exponentials.
+float exp_pairs(float* s, int64_t n, int64_t n_pad, float scale, uint32_t* pairs) {
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  __m512 mx_v = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 valid = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, s + j), scale_v);
+    _mm512_mask_storeu_ps(s + j, valid, v);
+    mx_v = _mm512_mask_max_ps(mx_v, valid, mx_v, v);
+  }
+  const float sum = exp_minus(s, n, _mm512_reduce_max_ps(mx_v));
+  std::fill(s + n, s + n_pad, 0.0f);
+  for (int64_t j = 0; j < n_pad; j += 32) {
+    const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16), _mm512_loadu_ps(s + j));
+    _mm512_storeu_si512(pairs + j / 2, reinterpret_cast<const __m512i&>(b));
+  }
+  return sum;
+}
+
+// out[r][0, hd) = (p_r . v) / sums[r] rounded to bf16 for R rows of probabilities (ldp words apart), D vectors
+// of 16 dims.
+template <int R, int D>
+void pair_outputs(const uint32_t* p, int64_t ldp, const PairOperands& kv, const float* sums, int64_t hd,
+                  uint16_t* const* out) {
+  __m512 acc[R][D];
+  for (int r = 0; r < R; ++r) {
+    for (int d = 0; d < D; ++d) acc[r][d] = _mm512_setzero_ps();
+  }
+  const uint32_t* vp = kv.values.data();
+  for (int64_t jp = 0; jp < ldp; ++jp, vp += kv.hd_pad) {
+    __m512bh v[D];
+    for (int d = 0; d < D; ++d) v[d] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vp + 16 * d));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(p[r * ldp + jp])));
+      for (int d = 0; d < D; ++d) acc[r][d] = _mm512_dpbf16_ps(acc[r][d], pb, v[d]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.0f / sums[r]);
+    for (int d = 0; d < D; ++d) {
+      const int64_t left = std::min<int64_t>(16, hd - 16 * d);
+      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][d], inv));
+      _mm256_mask_storeu_epi16(out[r] + 16 * d, static_cast<__mmask16>((1u << left) - 1),
+                               reinterpret_cast<const __m256i&>(o));
+    }
+  }
+}
+#endif
 }  // namespace
 
 void gelu_tanh_bf16_(const at::Tensor& x) {
@@ -251,6 +392,83 @@ void rotary_qk_bf16_(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   check_rotary_tables(cos, sin, N, hd);
   rotary_qk(bf16_data(qkv), cos.data_ptr<float>(), sin.data_ptr<float>(), N, heads, hd);
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+at::Tensor vision_attention_bf16(const at::Tensor& qkv, const std::vector<int64_t>& segments) {
+  check_contiguous(qkv, at::kBFloat16, 4, "qkv");
+  const int64_t N = qkv.size(0), heads = qkv.size(2), hd = qkv.size(3);
+  TORCH_CHECK(qkv.size(1) == 3 && hd % 2 == 0 && hd <= 16 * kMaxDimVectors,
+              "qkv: [N, 3, heads, head_dim] with head_dim even and at most ", 16 * kMaxDimVectors, ", got ",
+              qkv.sizes());
+  std::vector<int64_t> starts;
+  int64_t rows = 0, longest = 0;
+  for (int64_t n : segments) {
+    TORCH_CHECK(n > 0, "segments: positive row counts, got ", n);
+    starts.push_back(rows);
+    rows += n;
+    longest = std::max(longest, n);
+  }
+  TORCH_CHECK(rows == N, "segments: row counts summing to N = ", N, ", got ", rows);
+  at::Tensor out = at::empty({N, heads * hd}, qkv.options());
+  // work items: (segment, head, block of kQueryRowsPerItem query rows), a (segment, head)'s blocks in a row so
+  // that a thread taking several packs its keys and values once
+  struct Item {
+    int64_t segment, head, row0;
+  };
+  std::vector<Item> items;
+  for (size_t s = 0; s < segments.size(); ++s) {
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t i = 0; i < segments[s]; i += kQueryRowsPerItem) items.push_back({static_cast<int64_t>(s), h, i});
+    }
+  }
+  const uint16_t* base = bf16_data(qkv);
+  uint16_t* outp = bf16_data(out);
+  const int64_t stride = 3 * heads * hd, pairs = hd / 2, dims = (hd + 15) / 16;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t work = 4 * kQueryRowsPerItem * longest * hd;
+  at::parallel_for(0, static_cast<int64_t>(items.size()), grain_for(work), [&](int64_t begin, int64_t end) {
+    PairOperands kv;
+    int64_t packed = -1;  // the (segment, head) kv holds, as segment * heads + head
+    std::vector<float> scores;
+    std::vector<uint32_t> probs;
+    for (int64_t it = begin; it < end; ++it) {
+      const Item& item = items[it];
+      const int64_t start = starts[item.segment], n = segments[item.segment];
+      if (packed != item.segment * heads + item.head) {
+        kv.pack(base + start * stride + (heads + item.head) * hd, base + start * stride + (2 * heads + item.head) * hd,
+                stride, n, hd);
+        packed = item.segment * heads + item.head;
+        scores.resize(kScoreTileRows * kv.n_pad);
+        probs.resize(kScoreTileRows * kv.n_pad / 2);
+      }
+      const int64_t ldp = kv.n_pad / 2, last = std::min(n, item.row0 + kQueryRowsPerItem);
+      for (int64_t i0 = item.row0; i0 < last; i0 += kScoreTileRows) {
+        const int64_t R = std::min<int64_t>(kScoreTileRows, last - i0);
+        const uint32_t* q[kScoreTileRows];
+        uint16_t* o[kScoreTileRows];
+        float sums[kScoreTileRows];
+        for (int64_t r = 0; r < R; ++r) {
+          q[r] = reinterpret_cast<const uint32_t*>(base + (start + i0 + r) * stride + item.head * hd);
+          o[r] = outp + (start + i0 + r) * heads * hd + item.head * hd;
+        }
+        with_rows<kScoreTileRows>(R, [&](auto rr) { pair_scores<decltype(rr)::value>(q, pairs, kv, scores.data()); });
+        for (int64_t r = 0; r < R; ++r) {
+          sums[r] = exp_pairs(scores.data() + r * kv.n_pad, n, kv.n_pad, scale, probs.data() + r * ldp);
+        }
+        for (int64_t r0 = 0; r0 < R; r0 += kOutputTileRows) {
+          with_rows<kOutputTileRows>(std::min<int64_t>(kOutputTileRows, R - r0), [&](auto rr) {
+            with_rows<kMaxDimVectors>(dims, [&](auto dd) {
+              pair_outputs<decltype(rr)::value, decltype(dd)::value>(probs.data() + r0 * ldp, ldp, kv, sums + r0, hd,
+                                                                     o + r0);
+            });
+          });
+        }
+      }
+    }
+  });
+  return out;
+}
+#endif
 
 at::Tensor add_layer_norm_bf16(const at::Tensor& x, const std::optional<at::Tensor>& y, const at::Tensor& weight,
                                const at::Tensor& bias, double eps) {

@@ -1,7 +1,7 @@
 // The fused executor's vision tower (executor/fused_cpu/vision.py), two schemes:
 // - its bf16 products' element-wise steps (torch's oneDNN kernels multiply): each reads the bf16 values widened
 //   to fp32, computes in fp32 and rounds once to bf16 (to nearest even, as torch converts), in one pass where
-//   torch's mixed-dtype ops make a converted copy per operand;
+//   torch's mixed-dtype ops make a converted copy per operand; and its attention, as bf16 pairs (vdpbf16ps);
 // - a small tower's blocks and merger whole, in fp32 (vision_block_f32, vision_merger_f32): the projections
 //   are linear.h's, reading each stored weight where it is, so the numbers are model/vision.py's fp32 ones up
 //   to the order of the sums. One call per block instead of some twenty torch ops and four oneDNN products,
@@ -25,6 +25,16 @@ void gelu_tanh_bf16_(const at::Tensor& x);
 // The rotate-half rotary of q and k in place in the attention's qkv product [N, 3, heads, head_dim] (bf16,
 // contiguous): x * cos + rotate_half(x) * sin with cos, sin [N, head_dim] fp32 (model/vision.py rotate).
 void rotary_qk_bf16_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin);
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// The bf16 scheme's attention: out [N, heads * head_dim] (bf16) = softmax(q k^T / sqrt(head_dim)) v for each
+// head within each segment of consecutive rows (one frame each), q, k, v read from the qkv product
+// [N, 3, heads, head_dim] (bf16, contiguous). The scores are bf16 pairs multiplied and summed in fp32
+// (vdpbf16ps), scaled in fp32; the softmax's exponentials are fp32, rounded to bf16 to multiply v the same way,
+// and the fp32 sums are divided by the fp32 sum of the unrounded exponentials; the result is rounded once to
+// bf16. Reference: deltaserve/ops/vision_attention.py (torch's bf16 SDPA on CPU computes the same way).
+at::Tensor vision_attention_bf16(const at::Tensor& qkv, const std::vector<int64_t>& segments);
+#endif
 
 // The residual stream x [T, n] (fp32, contiguous) += y (bf16 [T, n], when given), in place, then
 // LayerNorm(x) * weight + bias (weight, bias fp32 [n]) returned in bf16 [T, n]: a projection's input.
