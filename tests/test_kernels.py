@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.config import VisionConfig
+from deltaserve.executor.fused_cpu.vision import _fp32_projection
 from deltaserve.model.gdn import l2norm
 from deltaserve.model.layers import GatedRMSNorm, RMSNorm, RotaryEmbedding
 from deltaserve.model.vision import PatchMerger, VisionBlock, attend, attend_bf16
@@ -18,6 +19,7 @@ from deltaserve.model.vision import rotate as vision_rotate
 from deltaserve.ops.attention import decode_attention, prefill_attention, quantize_fp8
 from deltaserve.ops.conv import causal_conv1d_reference
 from deltaserve.ops.delta_rule import delta_rule_reference
+from deltaserve.model.linear import store
 from deltaserve.ops.formats import WeightFormat, dequantize, quantize
 from deltaserve.ops.fused_ext import load_extension
 
@@ -273,9 +275,11 @@ def _vision_config(act: str = "gelu_pytorch_tanh") -> VisionConfig:
                         hidden_act=act)
 
 
-def _randomized(module: torch.nn.Module, g: torch.Generator, bf16: tuple[str, ...]) -> torch.nn.Module:
-    """module with random LayerNorms (weights near 1) and biases, the projections named in bf16 stored in bf16
-    (the others fp32), as the loader stores a checkpoint's."""
+def _randomized(module: torch.nn.Module, g: torch.Generator, bf16: tuple[str, ...],
+                quantized: dict[str, WeightFormat] | None = None) -> torch.nn.Module:
+    """module with random LayerNorms (weights near 1) and biases, the projections named in bf16 stored in bf16,
+    those in `quantized` in their format with int8 activations (--quantization's), the others fp32, as the
+    loader stores a checkpoint's."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             if "norm" in name and name.endswith("weight"):
@@ -285,15 +289,18 @@ def _randomized(module: torch.nn.Module, g: torch.Generator, bf16: tuple[str, ..
     for name in bf16:
         linear = module.get_submodule(name)
         linear.weight = torch.nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+    for name, fmt in (quantized or {}).items():
+        linear = module.get_submodule(name)
+        data, scale = quantize(linear.weight.detach(), fmt)
+        store(linear, fmt)
+        linear.weight.copy_(data)
+        linear.weight_scale.copy_(scale)
+        linear.activation_quantization = "int8"
     return module.eval()
 
 
 def _norm_spec(norm: torch.nn.LayerNorm) -> tuple:
     return norm.weight.detach(), norm.bias.detach(), norm.eps
-
-
-def _projection_spec(linear: torch.nn.Module) -> tuple:
-    return (linear.weight.detach(), None, linear.fmt.name, 0), linear.bias.detach()
 
 
 def _vision_tables(N: int, hd: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,22 +309,28 @@ def _vision_tables(N: int, hd: int, g: torch.Generator) -> tuple[torch.Tensor, t
 
 
 @pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu", "silu", "quick_gelu"])
-def test_vision_block_f32_is_the_vision_block_on_fp32_input(ext, act) -> None:
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int8-int4"])
+def test_vision_block_f32_is_the_vision_block_on_fp32_input(ext, act, quantized) -> None:
     """One VisionBlock in fp32 in place on the residual stream: qkv and fc1 stored in bf16, proj and fc2 in fp32
-    (each read where it is); three segments (frames) of unequal length, each attending within itself."""
+    (each read where it is), or proj in int8 and fc2 in int4 with their int8 activations (activation_quant.py:
+    the step's integer kernels, the VNNI tiles from their fewest rows on); three segments (frames) of unequal
+    length, each attending within itself."""
     g = torch.Generator().manual_seed(5)
     cfg = _vision_config(act)
-    block = _randomized(VisionBlock(cfg), g, bf16=("attn.qkv", "mlp.linear_fc1"))
+    formats = {"attn.proj": WeightFormat.of("int8", 16), "mlp.linear_fc2": WeightFormat.of("int4", 16)}
+    block = _randomized(VisionBlock(cfg), g, bf16=("attn.qkv", "mlp.linear_fc1"), quantized=formats if quantized else None)
     segments = [5, 23, 12]
     N = sum(segments)
     x = torch.randn(N, cfg.hidden_size, generator=g)
     cos, sin = _vision_tables(N, cfg.head_dim, g)
     with torch.no_grad():
         expected = block(x, cos, sin, segments)
-    spec = (_norm_spec(block.norm1), _projection_spec(block.attn.qkv), _projection_spec(block.attn.proj),
-            _norm_spec(block.norm2), _projection_spec(block.mlp.linear_fc1), _projection_spec(block.mlp.linear_fc2))
+    spec = (_norm_spec(block.norm1), _fp32_projection(block.attn.qkv), _fp32_projection(block.attn.proj),
+            _norm_spec(block.norm2), _fp32_projection(block.mlp.linear_fc1), _fp32_projection(block.mlp.linear_fc2))
+    tiles = ext.vnni_tile_panels()
     ext.vision_block_f32(x, *spec, cfg.num_heads, act, cos, sin, segments)
     torch.testing.assert_close(x, expected, **VISION_F32_TOL)
+    assert (ext.vnni_tile_panels() > tiles) == (quantized and ext.vnni_tiles_supported())
     # One segment of all rows is another attention: the segments are honoured.
     whole = x.clone()
     ext.vision_block_f32(whole, *spec, cfg.num_heads, act, cos, sin, [N])
@@ -328,8 +341,8 @@ def test_vision_block_f32_is_the_vision_block_on_fp32_input(ext, act) -> None:
     with pytest.raises(RuntimeError, match="vision activation 'relu' is not known"):
         ext.vision_block_f32(x, *spec, cfg.num_heads, "relu", cos, sin, segments)
     with pytest.raises(RuntimeError, match="qkv: a contiguous float32 bias"):
-        ext.vision_block_f32(x, spec[0], (spec[1][0], spec[1][1][:-1]), *spec[2:], cfg.num_heads, act, cos, sin,
-                             segments)
+        ext.vision_block_f32(x, spec[0], (spec[1][0], spec[1][1][:-1], "none"), *spec[2:], cfg.num_heads, act, cos,
+                             sin, segments)
 
 
 def test_vision_merger_f32_is_the_patch_merger_on_fp32_input(ext) -> None:
@@ -341,13 +354,13 @@ def test_vision_merger_f32_is_the_patch_merger_on_fp32_input(ext) -> None:
     x = 2 * torch.randn(36, cfg.hidden_size, generator=g)
     with torch.no_grad():
         expected = merger(x)
-    got = ext.vision_merger_f32(x, _norm_spec(merger.norm), merger.merged, _projection_spec(merger.linear_fc1),
-                                _projection_spec(merger.linear_fc2))
+    got = ext.vision_merger_f32(x, _norm_spec(merger.norm), merger.merged, _fp32_projection(merger.linear_fc1),
+                                _fp32_projection(merger.linear_fc2))
     assert got.shape == (9, cfg.out_hidden_size)
     torch.testing.assert_close(got, expected, **VISION_F32_TOL)
     with pytest.raises(RuntimeError, match="a multiple of merged"):
         ext.vision_merger_f32(x[:-1].contiguous(), _norm_spec(merger.norm), merger.merged,
-                              _projection_spec(merger.linear_fc1), _projection_spec(merger.linear_fc2))
+                              _fp32_projection(merger.linear_fc1), _fp32_projection(merger.linear_fc2))
 
 
 def test_rms_norm_matches_the_model_norm(ext) -> None:

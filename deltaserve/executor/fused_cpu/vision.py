@@ -28,9 +28,12 @@ oneDNN bf16 kernel 40-110 us, little related to its size, and with the torch ops
 transformers, the demo: small calls in fp32"). From larger calls on (about 144 rows at width 128, 21-36 at width
 768, 1 thread), the bf16 products' twice-as-fast arithmetic wins.
 
-Projections in any other format (float32, fp8, int8 / int4 with their activation quantization) run the
-module's own forward, and the patch embedding, rotary and the rest are the reference's, so an fp32 tower
-gives the reference's numbers exactly.
+A tower whose projections are stored in any other format (float32, fp8, int8 / int4, or a mix) runs the fp32
+scheme at every size, each projection as its module computes: int8 / int4 weights with their activation
+quantization (ops/activation_quant.py, the step's integer kernels: the VNNI tiles for a call's many rows),
+the others on fp32 rows. Its numbers are the reference's up to the order of the sums. (It ran the modules' own
+forwards in torch until 2026-12-07, each dequantizing its whole weight per call: an int8 0.8B tower took 2.5x
+the bf16 one's time.)
 
 A frame size's position embeddings and rotary tables (the same numbers every time: a bilinear resampling of
 the learned grid and the cos / sin of its positions) are kept for the last few sizes seen."""
@@ -46,7 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.model.linear import Linear
-from deltaserve.model.vision import Grid, VisionBlock, VisionTower, attend, frame_segments, rotate
+from deltaserve.model.vision import Grid, VisionBlock, VisionTower, attend, frame_segments
+from deltaserve.ops.activation_quant import reads_int8_activations
 from deltaserve.ops.fused_ext import load_extension
 
 KEPT_FRAME_SIZES = 4  # frame sizes (h, w) whose position embeddings and rotary tables are kept
@@ -64,20 +68,17 @@ _IN_PLACE = {
 
 
 class Projection:
-    """One Linear as the fast tower multiplies: bf16 dot products (bf16 out, the bias cast to bf16 once) for a
-    bf16-stored weight, else the module's own forward on fp32 input (fp32 out)."""
+    """One bf16-stored Linear as the bf16 scheme multiplies: bf16 dot products, bf16 out, the bias cast to bf16
+    once."""
 
-    __slots__ = ("module", "bf16", "bias")
+    __slots__ = ("weight", "bias")
 
     def __init__(self, module: Linear) -> None:
-        self.module = module
-        self.bf16 = module.fmt.name == "bfloat16"
-        self.bias = None if module.bias is None or not self.bf16 else module.bias.detach().to(torch.bfloat16)
+        self.weight = module.weight
+        self.bias = None if module.bias is None else module.bias.detach().to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bf16:
-            return F.linear(x.to(torch.bfloat16), self.module.weight, self.bias)
-        return self.module(x.float())
+        return F.linear(x.to(torch.bfloat16), self.weight, self.bias)
 
 
 @dataclass(slots=True)
@@ -107,9 +108,14 @@ def _fp32_bias(module: Linear | nn.Module) -> torch.Tensor:
 
 
 def _fp32_projection(module: Linear) -> tuple:
-    """(part, bias) as ext.vision_block_f32 takes a projection: its stored weight as the step's linear kernels
-    read it ((data, scale, format name, group)), and its fp32 bias."""
-    return (module.weight.detach(), None, module.fmt.name, 0), _fp32_bias(module)
+    """(part, bias, activation quantization) as ext.vision_block_f32 takes a projection: its stored weight as the
+    step's linear kernels read it ((data, scale or None, format name, group)), its fp32 bias, and "int8" where
+    the module quantizes its input rows (activation_quant.py: int8 / int4 weights), else "none"."""
+    fmt = module.fmt
+    scale = module.scale("weight")
+    part = (module.weight.detach(), None if scale is None else scale.detach(), fmt.name, fmt.group or 0)
+    int8 = reads_int8_activations(module.activation_quantization, fmt)
+    return part, _fp32_bias(module), "int8" if int8 else "none"
 
 
 class FastVisionTower:
@@ -118,29 +124,30 @@ class FastVisionTower:
     here (the tower's weights do not change under a running engine)."""
 
     def __init__(self, tower: VisionTower, ext: ModuleType | None = None) -> None:
-        """ext: the C++ step's module (the bf16 tower's kernels); loaded here when not given and needed."""
+        """ext: the C++ step's module; loaded here when not given."""
         self.tower = tower
-        self.blocks = [
-            (block, Projection(block.attn.qkv), Projection(block.attn.proj), Projection(block.mlp.linear_fc1),
-             Projection(block.mlp.linear_fc2))
-            for block in tower.blocks
-        ]
-        self.merger_fc1, self.merger_fc2 = Projection(tower.merger.linear_fc1), Projection(tower.merger.linear_fc2)
-        projections = [p for _, *ps in self.blocks for p in ps] + [self.merger_fc1, self.merger_fc2]
-        self.bf16 = all(p.bf16 for p in projections)  # the bf16 scheme, patch embedding included
-        self.act_ = _IN_PLACE.get(tower.config.hidden_act)
-        self.patch_weight = self.patch_bias = None
+        self.ext = ext or load_extension()
+        self.norms = [(_fp32_norm(block.norm1), _fp32_norm(block.norm2)) for block in tower.blocks]
+        self.merger_norm = _fp32_norm(tower.merger.norm)
+        self._fp32_scheme(tower)
+        merger = tower.merger
+        projections = [m for b in tower.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.linear_fc1, b.mlp.linear_fc2)]
+        # the bf16 scheme for a large call, patch embedding included
+        self.bf16 = all(m.fmt.name == "bfloat16" for m in [*projections, merger.linear_fc1, merger.linear_fc2])
         if self.bf16:
-            self.ext = ext or load_extension()
+            self.blocks = [
+                (block, Projection(block.attn.qkv), Projection(block.attn.proj), Projection(block.mlp.linear_fc1),
+                 Projection(block.mlp.linear_fc2))
+                for block in tower.blocks
+            ]
+            self.merger_fc1, self.merger_fc2 = Projection(merger.linear_fc1), Projection(merger.linear_fc2)
+            self.act_ = _IN_PLACE.get(tower.config.hidden_act)
             if tower.config.hidden_act == "gelu_pytorch_tanh":
                 self.act_ = self.ext.gelu_tanh_bf16_
-            self.norms = [(_fp32_norm(block.norm1), _fp32_norm(block.norm2)) for block in tower.blocks]
-            self.merger_norm = _fp32_norm(tower.merger.norm)
             conv = tower.patch_embed.proj
             # [hidden, patch_dim] in the patch's own (C, tp, p, p) order, as PatchEmbed multiplies it
             self.patch_weight = conv.weight.detach().reshape(conv.weight.shape[0], -1).to(torch.bfloat16)
             self.patch_bias = None if conv.bias is None else conv.bias.detach().to(torch.bfloat16)
-            self._fp32_scheme(tower)
         self._tables: OrderedDict[tuple[int, int], Tables] = OrderedDict()
 
     def _fp32_scheme(self, tower: VisionTower) -> None:
@@ -169,15 +176,10 @@ class FastVisionTower:
         tower.check_pixels(pixels, grids)
         tables = Tables.cat([self._frame_tables(h, w) for t, h, w in grids for _ in range(t)])
         segments = frame_segments(grids)
-        if self.bf16 and pixels.shape[0] * tower.config.hidden_size <= SMALL_CALL_VALUES:
-            return self._fp32_tower(pixels, tables, segments)
-        if self.bf16:
+        if self.bf16 and pixels.shape[0] * tower.config.hidden_size > SMALL_CALL_VALUES:
             patches = F.linear(pixels.to(torch.bfloat16), self.patch_weight, self.patch_bias)
             return self._bf16_tower((patches + tables.pos).contiguous(), tables, segments)
-        x = (tower.patch_embed(pixels) + tables.pos).float()  # [N, hidden]: fresh, the blocks add in place
-        for block in self.blocks:
-            x = self._block(*block, x, tables, segments)
-        return self._merge(x)
+        return self._fp32_tower(pixels, tables, segments)
 
     def _fp32_tower(self, pixels: torch.Tensor, tables: Tables, segments: list[int]) -> torch.Tensor:
         """The fp32 scheme: the patch embedding on the step's linear kernel, then each block and the merger in
@@ -235,22 +237,6 @@ class FastVisionTower:
         if self.ext.BF16_PAIR_KERNEL:
             return self.ext.vision_attention_bf16(qkv, segments)
         return attend(*qkv.unbind(1), segments).reshape(qkv.shape[0], -1)
-
-    def _block(self, block: VisionBlock, qkv: Projection, proj: Projection, fc1: Projection, fc2: Projection,
-               x: torch.Tensor, tables: Tables, segments: list[int]) -> torch.Tensor:
-        """VisionBlock.forward with the projections' products (any formats); x (the residual stream, fp32) is
-        added to in place."""
-        a = block.attn
-        N = x.shape[0]
-        q, k, v = qkv(block.norm1(x)).view(N, 3, a.num_heads, a.head_dim).unbind(1)
-        q, k = rotate(q, tables.cos, tables.sin), rotate(k, tables.cos, tables.sin)
-        x.add_(proj(attend(q, k, v, segments).reshape(N, -1)))
-        return x.add_(fc2(self._activate_(block, fc1(block.norm2(x)))))
-
-    def _merge(self, x: torch.Tensor) -> torch.Tensor:
-        """PatchMerger.forward with the projections' products; fp32 out."""
-        merger = self.tower.merger
-        return self._merger_products(merger.norm(x).view(-1, merger.merged))
 
     def _merger_products(self, merged: torch.Tensor) -> torch.Tensor:
         """The merger's fc1, GELU (in place) and fc2 on its normed, merged rows; fp32 out."""

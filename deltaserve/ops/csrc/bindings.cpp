@@ -74,9 +74,10 @@ at::Tensor linear_argmax_alone(const at::Tensor& x, const std::vector<PartSpec>&
 }
 
 // The vision tower's fp32 scheme (vision.h) from Python: a LayerNorm as (fp32 weight, fp32 bias, eps), a
-// projection as (its part, fp32 bias [N]).
+// projection as (its part, fp32 bias [N], activation_quantization as linear's: "int8" where its int8 / int4
+// part quantizes its input rows, else "none").
 using NormSpec = std::tuple<at::Tensor, at::Tensor, double>;
-using ProjectionSpec = std::tuple<PartSpec, at::Tensor>;
+using ProjectionSpec = std::tuple<PartSpec, at::Tensor, std::string>;
 
 VisionNorm vision_norm_of(const NormSpec& spec, const char* what) {
   const auto& [weight, bias, eps] = spec;
@@ -88,8 +89,10 @@ VisionNorm vision_norm_of(const NormSpec& spec, const char* what) {
 }
 
 VisionProjection vision_projection_of(const ProjectionSpec& spec, int64_t K, const std::string& what) {
-  const auto& [part, bias] = spec;
-  VisionProjection p{make_linear({part_of_spec(part, K, what)}, false), bias};
+  const auto& [part, bias, activation_quantization] = spec;
+  VisionProjection p{make_linear({part_of_spec(part, K, what)}, int8_activations(activation_quantization),
+                                 bf16_activations(activation_quantization)),
+                     bias};
   TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.dim() == 1 && bias.size(0) == p.linear.N,
               what, ": a contiguous float32 bias [", p.linear.N, "] expected");
   return p;
@@ -392,7 +395,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("vision_block_f32", &vision_block_f32_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "VisionBlock.forward in fp32 on the residual stream x [N, hidden] in place; norms (weight, bias, eps), "
-        "projections (part, fp32 bias); segments: row counts attending within themselves (vision.h)",
+        "projections (part, fp32 bias, activation_quantization); segments: row counts attending within themselves (vision.h)",
         pybind11::arg("x"), pybind11::arg("norm1"), pybind11::arg("qkv"), pybind11::arg("proj"),
         pybind11::arg("norm2"), pybind11::arg("fc1"), pybind11::arg("fc2"), pybind11::arg("heads"),
         pybind11::arg("act"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("segments"));
