@@ -14,12 +14,12 @@ from deltaserve.config import VisionConfig
 from deltaserve.executor.fused_cpu.vision import _fp32_projection
 from deltaserve.model.gdn import l2norm
 from deltaserve.model.layers import GatedRMSNorm, RMSNorm, RotaryEmbedding
+from deltaserve.model.linear import store
 from deltaserve.model.vision import PatchMerger, VisionBlock, attend, attend_bf16
 from deltaserve.model.vision import rotate as vision_rotate
 from deltaserve.ops.attention import decode_attention, prefill_attention, quantize_fp8
 from deltaserve.ops.conv import causal_conv1d_reference
 from deltaserve.ops.delta_rule import delta_rule_reference
-from deltaserve.model.linear import store
 from deltaserve.ops.formats import WeightFormat, dequantize, quantize
 from deltaserve.ops.fused_ext import load_extension
 
@@ -318,7 +318,8 @@ def test_vision_block_f32_is_the_vision_block_on_fp32_input(ext, act, quantized)
     g = torch.Generator().manual_seed(5)
     cfg = _vision_config(act)
     formats = {"attn.proj": WeightFormat.of("int8", 16), "mlp.linear_fc2": WeightFormat.of("int4", 16)}
-    block = _randomized(VisionBlock(cfg), g, bf16=("attn.qkv", "mlp.linear_fc1"), quantized=formats if quantized else None)
+    block = _randomized(VisionBlock(cfg), g, bf16=("attn.qkv", "mlp.linear_fc1"),
+                        quantized=formats if quantized else None)
     segments = [5, 23, 12]
     N = sum(segments)
     x = torch.randn(N, cfg.hidden_size, generator=g)
