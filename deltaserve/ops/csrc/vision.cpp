@@ -185,9 +185,15 @@ constexpr int kScoreRows = 8;
 constexpr int kOutputRows = 4;
 constexpr int kOutputVectors = 4;  // 64 dims
 
-// scores [R][n_pad] = (q_r * scale) . k_j for R query rows and every key (keys [hd][n_pad]).
+// scores [R][n_pad] = (q_r * scale) . k_j for R query rows and every key (keys [hd][n_pad]); qs: room for the
+// rows times scale, [R][hd] (broadcast from memory in the loop: a load each, where a product and a broadcast
+// from a register took the FMAs' own ports, as many as the FMAs).
 template <int R>
-void f32_scores(const float* const* q, float scale, int64_t hd, const float* keys, int64_t n_pad, float* scores) {
+void f32_scores(const float* const* q, float scale, int64_t hd, const float* keys, int64_t n_pad, float* qs,
+                float* scores) {
+  for (int r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < hd; ++c) qs[r * hd + c] = q[r][c] * scale;
+  }
   for (int64_t j0 = 0; j0 < n_pad; j0 += 32) {
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -195,7 +201,7 @@ void f32_scores(const float* const* q, float scale, int64_t hd, const float* key
     for (int64_t c = 0; c < hd; ++c, kc += n_pad) {
       const __m512 k0 = _mm512_loadu_ps(kc), k1 = _mm512_loadu_ps(kc + 16);
       for (int r = 0; r < R; ++r) {
-        const __m512 qc = _mm512_set1_ps(q[r][c] * scale);
+        const __m512 qc = _mm512_set1_ps(qs[r * hd + c]);
         acc[r][0] = _mm512_fmadd_ps(qc, k0, acc[r][0]);
         acc[r][1] = _mm512_fmadd_ps(qc, k1, acc[r][1]);
       }
@@ -250,7 +256,7 @@ void segment_attention(const float* qkv, int64_t heads, int64_t hd, const std::v
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t items = static_cast<int64_t>(segments.size()) * heads;
   at::parallel_for(0, items, grain_for(2 * longest * longest * hd), [&](int64_t begin, int64_t end) {
-    std::vector<float> keys, values, scores;
+    std::vector<float> keys, values, scores, scaled;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / heads, h = item % heads, start = starts[s], n = segments[s];
       const int64_t n_pad = round_up(n, kKeyBlock);
@@ -264,6 +270,7 @@ void segment_attention(const float* qkv, int64_t heads, int64_t hd, const std::v
       }
 #if defined(__AVX512F__)
       scores.resize(kScoreRows * n_pad);
+      scaled.resize(kScoreRows * hd);
       for (int64_t i0 = 0; i0 < n; i0 += kScoreRows) {
         const int64_t R = std::min<int64_t>(kScoreRows, n - i0);
         const float* q[kScoreRows];
@@ -273,7 +280,7 @@ void segment_attention(const float* qkv, int64_t heads, int64_t hd, const std::v
           o[r] = out + (start + i0 + r) * heads * hd + h * hd;
         }
         with_rows<kScoreRows>(R, [&](auto rr) {
-          f32_scores<decltype(rr)::value>(q, scale, hd, keys.data(), n_pad, scores.data());
+          f32_scores<decltype(rr)::value>(q, scale, hd, keys.data(), n_pad, scaled.data(), scores.data());
         });
         for (int64_t r = 0; r < R; ++r) softmax_row(scores.data() + r * n_pad, n);  // the padding's left out
         for (int64_t r0 = 0; r0 < R; r0 += kOutputRows) {
