@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from deltaserve.config import VisionConfig
 from deltaserve.executor.fused_cpu.vision import _fp32_projection
+from deltaserve.model import vision as vision_model
 from deltaserve.model.gdn import l2norm
 from deltaserve.model.layers import GatedRMSNorm, RMSNorm, RotaryEmbedding
 from deltaserve.model.linear import store
@@ -344,6 +345,32 @@ def test_vision_block_f32_is_the_vision_block_on_fp32_input(ext, act, quantized)
     with pytest.raises(RuntimeError, match="qkv: a contiguous float32 bias"):
         ext.vision_block_f32(x, spec[0], (spec[1][0], spec[1][1][:-1], "none"), *spec[2:], cfg.num_heads, act, cos,
                              sin, segments)
+
+
+def test_vision_block_f32_with_bf16_attention_rounds_q_k_v_to_bf16(ext, monkeypatch) -> None:
+    """bf16_attention (the tower of int8-activation projections): the block's attention is vision_attention_bf16 on
+    q, k, v rounded to bf16 (model/vision.py attend_bf16 on them, widened back), the rest as without it."""
+    g = torch.Generator().manual_seed(7)
+    cfg = _vision_config()
+    block = _randomized(VisionBlock(cfg), g, bf16=("attn.qkv",))
+    segments = [9, 27]
+    N = sum(segments)
+    x = torch.randn(N, cfg.hidden_size, generator=g)
+    cos, sin = _vision_tables(N, cfg.head_dim, g)
+    spec = (_norm_spec(block.norm1), _fp32_projection(block.attn.qkv), _fp32_projection(block.attn.proj),
+            _norm_spec(block.norm2), _fp32_projection(block.mlp.linear_fc1), _fp32_projection(block.mlp.linear_fc2))
+    if not ext.BF16_PAIR_KERNEL:
+        with pytest.raises(RuntimeError, match="bf16_attention: this build does not multiply bf16 pairs"):
+            ext.vision_block_f32(x, *spec, cfg.num_heads, cfg.hidden_act, cos, sin, segments, bf16_attention=True)
+        return
+    with torch.no_grad():
+        exact = block(x, cos, sin, segments)
+        monkeypatch.setattr(vision_model, "attend", lambda q, k, v, segments: attend_bf16(
+            q.bfloat16(), k.bfloat16(), v.bfloat16(), segments).float())
+        expected = block(x, cos, sin, segments)
+    ext.vision_block_f32(x, *spec, cfg.num_heads, cfg.hidden_act, cos, sin, segments, bf16_attention=True)
+    torch.testing.assert_close(x, expected, atol=1e-3, rtol=1e-3)
+    assert not torch.allclose(x, exact, **VISION_F32_TOL)
 
 
 def test_vision_merger_f32_is_the_patch_merger_on_fp32_input(ext) -> None:

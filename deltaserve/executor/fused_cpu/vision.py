@@ -31,9 +31,13 @@ transformers, the demo: small calls in fp32"). From larger calls on (about 144 r
 A tower whose projections are stored in any other format (float32, fp8, int8 / int4, or a mix) runs the fp32
 scheme at every size, each projection as its module computes: int8 / int4 weights with their activation
 quantization (ops/activation_quant.py, the step's integer kernels: the VNNI tiles for a call's many rows),
-the others on fp32 rows. Its numbers are the reference's up to the order of the sums. (It ran the modules' own
-forwards in torch until 2026-12-07, each dequantizing its whole weight per call: an int8 0.8B tower took 2.5x
-the bf16 one's time.)
+the others on fp32 rows. Its numbers are the reference's up to the order of the sums, but for one thing: where
+the projections quantize their input rows to int8, the blocks' attention multiplies bf16 pairs (the bf16
+scheme's kernel, on q, k and v rounded to bf16; AVX512-BF16 builds), as llama.cpp multiplies q and k with an
+f16 KV cache under its quantized weights. bf16 keeps 8 bits of each value, finer than a row's int8 step (a
+128th of its group's largest); at the 0.8B tower's 784 patches it halves the attention, a third of the tower.
+(The tower ran the modules' own forwards in torch until 2026-12-07, each dequantizing its whole weight per
+call: an int8 0.8B tower took 2.5x the bf16 one's time.)
 
 A frame size's position embeddings and rotary tables (the same numbers every time: a bilinear resampling of
 the learned grid and the cos / sin of its positions) are kept for the last few sizes seen."""
@@ -134,6 +138,9 @@ class FastVisionTower:
         projections = [m for b in tower.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.linear_fc1, b.mlp.linear_fc2)]
         # the bf16 scheme for a large call, patch embedding included
         self.bf16 = all(m.fmt.name == "bfloat16" for m in [*projections, merger.linear_fc1, merger.linear_fc2])
+        # int8-activation projections: the fp32 scheme's attention as bf16 pairs (the docstring)
+        self.bf16_attention = self.ext.BF16_PAIR_KERNEL and any(
+            reads_int8_activations(m.activation_quantization, m.fmt) for m in projections)
         if self.bf16:
             self.blocks = [
                 (block, Projection(block.attn.qkv), Projection(block.attn.proj), Projection(block.mlp.linear_fc1),
@@ -190,7 +197,7 @@ class FastVisionTower:
             x.add_(self.fp32_patch_bias)
         x.add_(tables.pos)
         for block in self.fp32_blocks:
-            ext.vision_block_f32(x, *block, tables.cos, tables.sin, segments)
+            ext.vision_block_f32(x, *block, tables.cos, tables.sin, segments, bf16_attention=self.bf16_attention)
         return ext.vision_merger_f32(x, *self.fp32_merger)
 
     def _frame_tables(self, h: int, w: int) -> Tables:

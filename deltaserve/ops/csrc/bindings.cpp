@@ -101,14 +101,14 @@ VisionProjection vision_projection_of(const ProjectionSpec& spec, int64_t K, con
 void vision_block_f32_alone(const at::Tensor& x, const NormSpec& norm1, const ProjectionSpec& qkv,
                             const ProjectionSpec& proj, const NormSpec& norm2, const ProjectionSpec& fc1,
                             const ProjectionSpec& fc2, int64_t heads, const std::string& act, const at::Tensor& cos,
-                            const at::Tensor& sin, const std::vector<int64_t>& segments) {
+                            const at::Tensor& sin, const std::vector<int64_t>& segments, bool bf16_attention) {
   check_float(x, "x", 2);
   const int64_t hidden = x.size(1);
   VisionBlockWeights w;
   w.norm1 = vision_norm_of(norm1, "norm1"), w.norm2 = vision_norm_of(norm2, "norm2");
   w.qkv = vision_projection_of(qkv, hidden, "qkv"), w.proj = vision_projection_of(proj, hidden, "proj");
   w.fc1 = vision_projection_of(fc1, hidden, "fc1"), w.fc2 = vision_projection_of(fc2, w.fc1.linear.N, "fc2");
-  w.heads = heads, w.act = vision_activation_named(act);
+  w.heads = heads, w.act = vision_activation_named(act), w.bf16_attention = bf16_attention;
   vision_block_f32(x, w, cos, sin, segments);
 }
 
@@ -395,10 +395,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("vision_block_f32", &vision_block_f32_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "VisionBlock.forward in fp32 on the residual stream x [N, hidden] in place; norms (weight, bias, eps), "
-        "projections (part, fp32 bias, activation_quantization); segments: row counts attending within themselves (vision.h)",
+        "projections (part, fp32 bias, activation_quantization); segments: row counts attending within themselves; "
+        "bf16_attention: the attention as vision_attention_bf16 (vision.h)",
         pybind11::arg("x"), pybind11::arg("norm1"), pybind11::arg("qkv"), pybind11::arg("proj"),
         pybind11::arg("norm2"), pybind11::arg("fc1"), pybind11::arg("fc2"), pybind11::arg("heads"),
-        pybind11::arg("act"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("segments"));
+        pybind11::arg("act"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("segments"),
+        pybind11::arg("bf16_attention") = false);
   m.def("vision_merger_f32", &vision_merger_f32_alone, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "PatchMerger.forward in fp32: fc2(GELU(fc1(norm(x) viewed [-1, merged]))), fp32 out (vision.h)",
         pybind11::arg("x"), pybind11::arg("norm"), pybind11::arg("merged"), pybind11::arg("fc1"), pybind11::arg("fc2"));

@@ -616,8 +616,17 @@ void vision_block_f32(const at::Tensor& x, const VisionBlockWeights& w, const at
   at::Tensor qkv = project(w.qkv, add_layer_norm_f32(x, nullptr, w.norm1));  // [N, 3 * hidden]
   float* qkv_p = qkv.data_ptr<float>();
   rotary_qk(qkv_p, cos.data_ptr<float>(), sin.data_ptr<float>(), N, heads, hd);
-  at::Tensor attended = at::empty({N, hidden}, x.options());
-  segment_attention(qkv_p, heads, hd, segments, attended.data_ptr<float>());
+  at::Tensor attended;
+  if (w.bf16_attention) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    attended = vision_attention_bf16(qkv.to(at::kBFloat16).view({N, 3, heads, hd}), segments).to(at::kFloat);
+#else
+    TORCH_CHECK(false, "bf16_attention: this build does not multiply bf16 pairs (no AVX512-BF16)");
+#endif
+  } else {
+    attended = at::empty({N, hidden}, x.options());
+    segment_attention(qkv_p, heads, hd, segments, attended.data_ptr<float>());
+  }
   const at::Tensor out = project(w.proj, attended);
   at::Tensor hidden_act = project(w.fc1, add_layer_norm_f32(x, out.data_ptr<float>(), w.norm2), &w.act);
   x.add_(project(w.fc2, hidden_act));

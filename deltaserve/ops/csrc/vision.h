@@ -65,6 +65,9 @@ struct VisionBlockWeights {
   VisionProjection qkv, proj, fc1, fc2;
   int64_t heads = 0;
   VisionActivation act = VisionActivation::kGeluTanh;
+  // The attention as vision_attention_bf16 (AVX512-BF16 builds) on q, k, v rounded to bf16, its output widened
+  // back: the tower of int8-activation projections (executor/fused_cpu/vision.py), whose rows are coarser still.
+  bool bf16_attention = false;
 };
 
 // VisionBlock.forward in fp32, the residual stream x [N, hidden] (contiguous fp32) updated in place:
