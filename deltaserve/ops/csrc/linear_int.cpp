@@ -629,6 +629,14 @@ void dequantized_for(const float* x, int64_t T, int64_t K, Format f, int64_t gro
   }
 }
 
+// bytes[0, n) + 128 (two's complement to unsigned). A function of its own: in a loop over a closure's (or a
+// struct's) n, each byte store might alias n, so the compiler reloaded it per byte and did not vectorize.
+namespace {
+void flip_sign_bits(uint8_t* bytes, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) bytes[k] ^= 0x80;
+}
+}  // namespace
+
 // The tile layout (AMX, VNNI tiles; linear_int.h QuantizedRows): each row's q_x at stride ld = groups x group,
 // zeros past K and in the kTileSlack rows past T; plus128: every byte of the T rows + 128 (q_x = 0 past K).
 // AVX2 builds' tiles read int4 rows' group biases too (linear_avx2_tiles.cpp).
@@ -640,11 +648,14 @@ void tiles_for(const float* x, int64_t T, int64_t K, Format f, int64_t group, bo
   q.scales.assign((T + kTileSlack) * q.groups, 0.0f);
   // threads split the rows (a prompt chunk's: serial, this was 4% of a 784-row vision tower's time at 2 threads,
   // and as much again of the other thread waiting)
-  at::parallel_for(0, T, grain_for(8 * K), [&](int64_t t0, int64_t t1) {
+  const int64_t ld = q.ld, groups = q.groups;
+  uint8_t* bytes = q.bytes.data();
+  float* scales = q.scales.data();
+  at::parallel_for(0, T, grain_for(8 * K), [=](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      uint8_t* row = q.bytes.data() + t * q.ld;
-      quantize_row(x + t * K, K, group, reinterpret_cast<int8_t*>(row), q.scales.data() + t * q.groups);
-      for (int64_t k = 0; plus128 && k < q.ld; ++k) row[k] ^= 0x80;  // two's complement + 128
+      uint8_t* row = bytes + t * ld;
+      quantize_row(x + t * K, K, group, reinterpret_cast<int8_t*>(row), scales + t * groups);
+      if (plus128) flip_sign_bits(row, ld);
     }
   });
   if (kAvx2 && f == Format::kInt4) int4_group_biases(q, T, q.ld);
