@@ -70,8 +70,7 @@ def attend_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: lis
     """attend() as bf16 dot products, the fused tower's bf16 scheme (and the reference of the C++ step's
     vision_attention_bf16): q, k, v bf16 [N, heads, hd] -> bf16. The scores are the bf16 values' products
     summed in fp32, then scaled; the softmax's exponentials are fp32, rounded to bf16 to multiply v, and the
-    fp32 sums are divided by the fp32 sum of the unrounded exponentials, then rounded once to bf16 (the order
-    of torch's bf16 SDPA on CPU)."""
+    fp32 sums are divided by the fp32 sum of the unrounded exponentials, then rounded once to bf16."""
     outs, start = [], 0
     scale = q.shape[-1] ** -0.5
     for n in segments:

@@ -32,7 +32,7 @@ void rotary_qk_bf16_(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
 // [N, 3, heads, head_dim] (bf16, contiguous). The scores are bf16 pairs multiplied and summed in fp32
 // (vdpbf16ps), scaled in fp32; the softmax's exponentials are fp32, rounded to bf16 to multiply v the same way,
 // and the fp32 sums are divided by the fp32 sum of the unrounded exponentials; the result is rounded once to
-// bf16. Reference: deltaserve/ops/vision_attention.py (torch's bf16 SDPA on CPU computes the same way).
+// bf16. Reference: model/vision.py attend_bf16.
 at::Tensor vision_attention_bf16(const at::Tensor& qkv, const std::vector<int64_t>& segments);
 #endif
 
