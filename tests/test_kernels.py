@@ -331,7 +331,14 @@ def test_vision_block_f32_is_the_vision_block_on_fp32_input(ext, act, quantized)
             _norm_spec(block.norm2), _fp32_projection(block.mlp.linear_fc1), _fp32_projection(block.mlp.linear_fc2))
     tiles = ext.vnni_tile_panels()
     ext.vision_block_f32(x, *spec, cfg.num_heads, act, cos, sin, segments)
-    torch.testing.assert_close(x, expected, **VISION_F32_TOL)
+    if quantized:
+        # where fp32 rounding (the LayerNorm's sums in another order) moves a value across an int8 rounding step,
+        # its row's quantized value differs by the step: a few outputs move by more than fp32 rounding
+        rms = ((x - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt()).item()
+        assert rms <= 1e-3
+        torch.testing.assert_close(x, expected, atol=1e-2 * expected.abs().max().item(), rtol=1e-2)
+    else:
+        torch.testing.assert_close(x, expected, **VISION_F32_TOL)
     assert (ext.vnni_tile_panels() > tiles) == (quantized and ext.vnni_tiles_supported())
     # One segment of all rows is another attention: the segments are honoured.
     whole = x.clone()
