@@ -21,8 +21,9 @@ class FusedCPUExecutor(Executor):
     def __init__(self, model: Qwen3_5ForCausalLM, cache: CacheTensors, with_mtp: bool = False) -> None:
         """with_mtp: build the MTP head's C++ stack too (speculative decoding drafts with it)."""
         self.trunk = FusedTrunk(model, cache)
-        # Its vision tower (if any) runs once per image, not once per step: torch's products between the C++
-        # step's element-wise kernels (fused_cpu/vision.py).
+        # Its vision tower (if any) runs once per image, not once per step: a bf16 tower's large calls as torch's
+        # bf16 products between the C++ step's kernels, every other call whole in the C++ step
+        # (fused_cpu/vision.py).
         self._model = model
         self._vision = None if model.visual is None else FastVisionTower(model.visual)
         self.shard = model.shard  # tensor parallelism: the stacks all-reduce in it; logits are gathered here
