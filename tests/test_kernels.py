@@ -372,8 +372,7 @@ def test_vision_block_f32_with_bf16_attention_rounds_q_k_v_to_bf16(ext, monkeypa
         return
     with torch.no_grad():
         exact = block(x, cos, sin, segments)
-        monkeypatch.setattr(vision_model, "attend", lambda q, k, v, segments: attend_bf16(
-            q.bfloat16(), k.bfloat16(), v.bfloat16(), segments).float())
+        monkeypatch.setattr(vision_model, "attend", attend_bf16)  # q, k, v rounded to bf16, fp32 out
         expected = block(x, cos, sin, segments)
     ext.vision_block_f32(x, *spec, cfg.num_heads, cfg.hidden_act, cos, sin, segments, bf16_attention=True)
     torch.testing.assert_close(x, expected, atol=1e-3, rtol=1e-3)

@@ -134,11 +134,6 @@ def test_bf16_tower_runs_bf16_dot_products_within_bf16_rounding(bf16_llm, monkey
     torch.testing.assert_close(fast, reference, atol=2e-2 * scale, rtol=2e-2)
 
 
-def _attend_in_bf16(q, k, v, segments):
-    """model/vision.py attend with q, k, v rounded to bf16 and its bf16 pairs (attend_bf16), widened back."""
-    return attend_bf16(q.bfloat16(), k.bfloat16(), v.bfloat16(), segments).to(q.dtype)
-
-
 @pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
 def test_quantized_tower_runs_in_the_cpp_step_with_its_activation_quantization(hf, tmp_path, quantization,
                                                                                monkeypatch):
@@ -155,7 +150,7 @@ def test_quantized_tower_runs_in_the_cpp_step_with_its_activation_quantization(h
     ext = tower.ext
     assert tower.bf16_attention == (quantization != "fp8" and ext.BF16_PAIR_KERNEL)
     if tower.bf16_attention:
-        monkeypatch.setattr(vision_model, "attend", _attend_in_bf16)
+        monkeypatch.setattr(vision_model, "attend", attend_bf16)
     tiles = ext.vnni_tile_panels()
     fast, reference, seen = _encode(llm, _pixels(GRIDS, visual.config.patch_dim))
     assert seen.dtypes == [] and fast.dtype == torch.float32  # no torch product (the reference dequantizes)

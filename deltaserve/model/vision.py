@@ -68,17 +68,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[int
 
 def attend_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[int]) -> torch.Tensor:
     """attend() as bf16 dot products, the fused tower's bf16 scheme (and the reference of the C++ step's
-    vision_attention_bf16): q, k, v bf16 [N, heads, hd] -> bf16. The scores are the bf16 values' products
-    summed in fp32, then scaled; the softmax's exponentials are fp32, rounded to bf16 to multiply v, and the
-    fp32 sums are divided by the fp32 sum of the unrounded exponentials, then rounded once to bf16."""
+    vision_attention_bf16): q, k, v [N, heads, hd] rounded to bf16 (the bf16 scheme's already are) -> q's dtype.
+    The scores are the bf16 values' products summed in fp32, then scaled; the softmax's exponentials are fp32,
+    rounded to bf16 to multiply v, and the fp32 sums are divided by the fp32 sum of the unrounded exponentials,
+    then rounded once to bf16."""
     outs, start = [], 0
     scale = q.shape[-1] ** -0.5
     for n in segments:
-        qs, ks, vs = (t[start : start + n].transpose(0, 1).float() for t in (q, k, v))  # [heads, n, hd]
+        qs, ks, vs = (t[start : start + n].transpose(0, 1).bfloat16().float() for t in (q, k, v))  # [heads, n, hd]
         scores = (qs @ ks.transpose(1, 2)) * scale
         e = torch.exp(scores - scores.amax(-1, keepdim=True))
         o = (e.bfloat16().float() @ vs) / e.sum(-1, keepdim=True)
-        outs.append(o.transpose(0, 1).bfloat16())
+        outs.append(o.transpose(0, 1).bfloat16().to(q.dtype))
         start += n
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 

@@ -239,26 +239,39 @@ void f32_outputs(const float* p, int64_t n_pad, int64_t n, const float* values, 
 }
 #endif
 
+// The segments (frames) of N rows, checked (positive row counts summing to N): each one's first row, and the
+// longest.
+struct Segments {
+  std::vector<int64_t> starts;
+  int64_t longest = 0;
+};
+
+Segments checked_segments(const std::vector<int64_t>& segments, int64_t N) {
+  Segments out;
+  int64_t rows = 0;
+  for (int64_t n : segments) {
+    TORCH_CHECK(n > 0, "segments: positive row counts, got ", n);
+    out.starts.push_back(rows);
+    rows += n;
+    out.longest = std::max(out.longest, n);
+  }
+  TORCH_CHECK(rows == N, "segments: row counts summing to N = ", N, ", got ", rows);
+  return out;
+}
+
 // out [N, heads * hd] = softmax(q k^T / sqrt(hd)) v for each head within each segment of consecutive rows, with
 // q, k, v read from qkv [N, 3, heads, hd]. A thread takes (segment, head) pairs: their keys transposed into
 // [hd, n] and their values into [n, hd] rows, both zero-padded to the blocks, once per pair.
 void segment_attention(const float* qkv, int64_t heads, int64_t hd, const std::vector<int64_t>& segments,
-                       float* out) {
-  std::vector<int64_t> starts(segments.size());
-  int64_t longest = 0, at_row = 0;
-  for (size_t s = 0; s < segments.size(); ++s) {
-    starts[s] = at_row;
-    at_row += segments[s];
-    longest = std::max(longest, segments[s]);
-  }
+                       const Segments& frames, float* out) {
   const int64_t stride = 3 * heads * hd;  // from one row of qkv to the next
   const int64_t hd_pad = round_up(hd, kDimBlock);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t items = static_cast<int64_t>(segments.size()) * heads;
-  at::parallel_for(0, items, grain_for(2 * longest * longest * hd), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, items, grain_for(2 * frames.longest * frames.longest * hd), [&](int64_t begin, int64_t end) {
     std::vector<float> keys, values, scores, scaled;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / heads, h = item % heads, start = starts[s], n = segments[s];
+      const int64_t s = item / heads, h = item % heads, start = frames.starts[s], n = segments[s];
       const int64_t n_pad = round_up(n, kKeyBlock);
       keys.assign(hd * n_pad, 0.0f);
       values.assign(n * hd_pad, 0.0f);
@@ -490,15 +503,7 @@ at::Tensor vision_attention_bf16(const at::Tensor& qkv, const std::vector<int64_
   TORCH_CHECK(qkv.size(1) == 3 && hd % 2 == 0 && hd <= 16 * kMaxDimVectors,
               "qkv: [N, 3, heads, head_dim] with head_dim even and at most ", 16 * kMaxDimVectors, ", got ",
               qkv.sizes());
-  std::vector<int64_t> starts;
-  int64_t rows = 0, longest = 0;
-  for (int64_t n : segments) {
-    TORCH_CHECK(n > 0, "segments: positive row counts, got ", n);
-    starts.push_back(rows);
-    rows += n;
-    longest = std::max(longest, n);
-  }
-  TORCH_CHECK(rows == N, "segments: row counts summing to N = ", N, ", got ", rows);
+  const Segments frames = checked_segments(segments, N);
   at::Tensor out = at::empty({N, heads * hd}, qkv.options());
   // work items: (segment, head, block of kQueryRowsPerItem query rows), a (segment, head)'s blocks in a row so
   // that a thread taking several packs its keys and values once
@@ -515,7 +520,7 @@ at::Tensor vision_attention_bf16(const at::Tensor& qkv, const std::vector<int64_
   uint16_t* outp = bf16_data(out);
   const int64_t stride = 3 * heads * hd, pairs = hd / 2, dims = (hd + 15) / 16;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int64_t work = 4 * kQueryRowsPerItem * longest * hd;
+  const int64_t work = 4 * kQueryRowsPerItem * frames.longest * hd;
   at::parallel_for(0, static_cast<int64_t>(items.size()), grain_for(work), [&](int64_t begin, int64_t end) {
     PairOperands kv;
     int64_t packed = -1;  // the (segment, head) kv holds, as segment * heads + head
@@ -523,7 +528,7 @@ at::Tensor vision_attention_bf16(const at::Tensor& qkv, const std::vector<int64_
     std::vector<uint32_t> probs;
     for (int64_t it = begin; it < end; ++it) {
       const Item& item = items[it];
-      const int64_t start = starts[item.segment], n = segments[item.segment];
+      const int64_t start = frames.starts[item.segment], n = segments[item.segment];
       if (packed != item.segment * heads + item.head) {
         kv.pack(base + start * stride + (heads + item.head) * hd, base + start * stride + (2 * heads + item.head) * hd,
                 stride, n, hd);
@@ -606,12 +611,7 @@ void vision_block_f32(const at::Tensor& x, const VisionBlockWeights& w, const at
   TORCH_CHECK(w.norm1.weight.size(0) == hidden && w.norm2.weight.size(0) == hidden, "norm1, norm2: [", hidden,
               "] for hidden ", hidden);
   check_rotary_tables(cos, sin, N, hd);
-  int64_t rows = 0;
-  for (int64_t n : segments) {
-    TORCH_CHECK(n > 0, "segments: positive row counts, got ", n);
-    rows += n;
-  }
-  TORCH_CHECK(rows == N, "segments: row counts summing to N = ", N, ", got ", rows);
+  const Segments frames = checked_segments(segments, N);
 
   at::Tensor qkv = project(w.qkv, add_layer_norm_f32(x, nullptr, w.norm1));  // [N, 3 * hidden]
   float* qkv_p = qkv.data_ptr<float>();
@@ -625,7 +625,7 @@ void vision_block_f32(const at::Tensor& x, const VisionBlockWeights& w, const at
 #endif
   } else {
     attended = at::empty({N, hidden}, x.options());
-    segment_attention(qkv_p, heads, hd, segments, attended.data_ptr<float>());
+    segment_attention(qkv_p, heads, hd, segments, frames, attended.data_ptr<float>());
   }
   const at::Tensor out = project(w.proj, attended);
   at::Tensor hidden_act = project(w.fc1, add_layer_norm_f32(x, out.data_ptr<float>(), w.norm2), &w.act);
