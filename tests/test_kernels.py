@@ -127,6 +127,42 @@ def test_projection_of_long_rows_in_slices_of_k_gives_each_row_its_own_sums(ext,
         assert torch.equal(got, alone[:rows]), rows
 
 
+def one_thread_streams(ext, threads: int, run):
+    """run() on `threads` compute threads, and how many outputs it computed as streams of weight rows."""
+    before_threads, before = torch.get_num_threads(), ext.dot_streamed_outputs()
+    torch.set_num_threads(threads)
+    try:
+        out = run()
+    finally:
+        torch.set_num_threads(before_threads)
+    return out, ext.dot_streamed_outputs() - before
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+def test_one_row_over_long_weight_runs_reads_them_as_streams_with_the_same_sums(ext, fmt: WeightFormat) -> None:
+    """One row of x over a part of at least 256 KB, on one thread, reads its weight rows as four long streams
+    at once (dot_streams; int_streams with int8 activations; AVX-512 builds): every output is the reference's
+    and, bit for bit, what the blocks of consecutive rows give for the same row among two (the greedy screen
+    and a verify step rely on it), argmax included. N = 1031 leaves 3 rows past the four streams; the small
+    groups take their scales lane by lane. On two threads the blocks run (two cores' streams read no faster)."""
+    g = torch.Generator().manual_seed(45)
+    n_out, k_in = 1031, 1040
+    parts = [spec(torch.randn(n_out, k_in, generator=g), fmt)]
+    x = torch.randn(2, k_in, generator=g)
+    streams = ext.VECTOR_KERNELS == "avx512"
+    schemes = ["none", "int8"] if fmt.name in ("int8", "int4") and fmt.group == 32 else ["none"]
+    for activations in schemes:
+        one, streamed = one_thread_streams(ext, 1, lambda: ext.linear(x[:1].contiguous(), parts, activations))
+        assert streamed == (n_out if streams else 0), activations
+        assert torch.equal(one[0], ext.linear(x, parts, activations)[0]), activations
+        top, streamed = one_thread_streams(ext, 1, lambda: ext.linear_argmax(x[:1].contiguous(), parts, activations))
+        assert top.item() == one.argmax().item() and streamed == (n_out if streams else 0)
+        again, streamed = one_thread_streams(ext, 2, lambda: ext.linear(x[:1].contiguous(), parts, activations))
+        assert torch.equal(again, one) and streamed == 0
+        if activations == "none":
+            assert_close_to(one, reference(x[:1], parts, k_in), x[:1], parts, k_in)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 100])
 def test_a_projection_of_parts_in_different_formats_is_the_linear_of_their_concatenation(ext, rows: int) -> None:
     """A fused group's parts may differ in format (int8 q|k|v|z with float32 b|a, as the loader leaves them):

@@ -341,6 +341,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("bf16_pair_panels", &bf16_pair_panels,
         "how many panels the bf16-pair kernel (bf16 weights x bf16 activations, AVX512-BF16) has computed");
+  m.def("dot_streamed_outputs", &dot_streamed_outputs,
+        "how many outputs the dot kernel has computed as streams of weight rows (one row of x, AVX-512)");
   // up to this many rows, int8-activation parts run the integer kernel (else the packed one over q_x * s_x)
   m.attr("INT_KERNEL_ROWS") = kIntKernelRows;
   // from this many rows on, they run the AMX kernel where it is available (linear_amx.h)

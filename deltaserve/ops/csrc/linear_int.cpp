@@ -262,16 +262,18 @@ inline __m512 add_product(__m512 acc, const OutputChunk<F>& o, __m512i xv, __m51
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), lane_scales, acc);
 }
 
-// R rows of q (from t0) times NO consecutive weight rows of part p (from local row row0), a chunk (64 weight
-// bytes) a step: each weight byte is loaded once for all R rows (the VNNI layout, top of linear_int.h).
+// R rows of q (from t0) times NO weight rows of part p, step rows apart from local row row0 (y's outputs
+// likewise; step > 1: int_streams, which leaves the prefetching to the hardware), a chunk (64 weight bytes) a
+// step: each weight byte is loaded once for all R rows (the VNNI layout, top of linear_int.h).
 template <Format F, int NO, int R>
-void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_t t0, float* y, int64_t ldy) {
+void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_t t0, float* y, int64_t ldy,
+               int64_t step = 1) {
   const int64_t C = q.chunks, K = p.K;
   const uint8_t* rows[NO];
   const uint16_t* srows[NO];
   for (int j = 0; j < NO; ++j) {
-    rows[j] = p.bytes + (row0 + j) * p.row_bytes;
-    srows[j] = scales_of(p) + (row0 + j) * p.groups;
+    rows[j] = p.bytes + (row0 + j * step) * p.row_bytes;
+    srows[j] = scales_of(p) + (row0 + j * step) * p.groups;
   }
   __m512 acc[R][NO];
   for (int r = 0; r < R; ++r) {
@@ -290,7 +292,7 @@ void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_
   const int64_t cols = chunk_columns(F);
   for (int64_t c = 0; c < C; ++c) {
     const int64_t k0 = cols * c, g0 = k0 / p.group;
-    prefetch_next_block(rows[0], NO, p.row_bytes, 64 * c);
+    if (step == 1) prefetch_next_block(rows[0], NO, p.row_bytes, 64 * c);
     if (g0 - gw > 16 - q.span) {
       gw = g0;
       const __mmask16 have = p.groups - gw >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (p.groups - gw)) - 1);
@@ -331,8 +333,22 @@ void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_
     }
   }
   for (int r = 0; r < R; ++r) {  // (store_sums4: short rows, an expert's 256 inputs, spend a fifth on the sums)
-    for (int j = 0; j < NO; j += 4) store_sums4(acc[r] + j, std::min(4, NO - j), y + r * ldy + j);
+    float sums[NO];
+    float* out = step == 1 ? y + r * ldy : sums;
+    for (int j = 0; j < NO; j += 4) store_sums4(acc[r] + j, std::min(4, NO - j), out + j);
+    if (step == 1) continue;
+    for (int j = 0; j < NO; ++j) y[r * ldy + j * step] = sums[j];
   }
+}
+
+// Outputs [row0, row0 + count) of part p for one row of q (t0), its weight rows read as kStreams runs at once
+// (dot_streams, linear.cpp, says why).
+template <Format F>
+void int_streams(const WeightPart& p, int64_t row0, int64_t count, const QuantizedRows& q, int64_t t0, float* y) {
+  const int64_t L = count / kStreams;
+  for (int64_t j = 0; j < L; ++j) int_block<F, kStreams, 1>(p, row0 + j, q, t0, y + j, 0, L);
+  for (int64_t j = kStreams * L; j < count; ++j) int_block<F, 1, 1>(p, row0 + j, q, t0, y + j, 0);
+  count_streamed_outputs(count);
 }
 
 // Outputs [row0, row0 + count) of part p for rows t < T of q from t0: one row 8 outputs at a time, or 4 where
@@ -345,6 +361,7 @@ template <Format F>
 void int_part(const WeightPart& p, int64_t row0, int64_t count, const QuantizedRows& q, int64_t t0, int64_t T,
               float* y, int64_t ldy) {
   int64_t j = 0;
+  if (T == 1 && reads_as_streams(count * p.row_bytes)) return int_streams<F>(p, row0, count, q, t0, y);
   if (T == 1) {
     if (8 * p.row_bytes > kSequentialPrefetchBytes && 4 * p.row_bytes <= kSequentialPrefetchBytes) {
       for (; j + 4 <= count; j += 4) int_block<F, 4, 1>(p, row0 + j, q, t0, y + j, ldy);
