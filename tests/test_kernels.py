@@ -127,12 +127,12 @@ def test_projection_of_long_rows_in_slices_of_k_gives_each_row_its_own_sums(ext,
         assert torch.equal(got, alone[:rows]), rows
 
 
-def one_thread_streams(ext, threads: int, run):
-    """run() on `threads` compute threads, and how many outputs it computed as streams of weight rows."""
+def on_threads(ext, threads: int, run, *args):
+    """run(*args) on `threads` compute threads, and how many outputs it computed as streams of weight rows."""
     before_threads, before = torch.get_num_threads(), ext.dot_streamed_outputs()
     torch.set_num_threads(threads)
     try:
-        out = run()
+        out = run(*args)
     finally:
         torch.set_num_threads(before_threads)
     return out, ext.dot_streamed_outputs() - before
@@ -151,13 +151,14 @@ def test_one_row_over_long_weight_runs_reads_them_as_streams_with_the_same_sums(
     x = torch.randn(2, k_in, generator=g)
     streams = ext.VECTOR_KERNELS == "avx512"
     schemes = ["none", "int8"] if fmt.name in ("int8", "int4") and fmt.group == 32 else ["none"]
+    row = x[:1].contiguous()
     for activations in schemes:
-        one, streamed = one_thread_streams(ext, 1, lambda: ext.linear(x[:1].contiguous(), parts, activations))
+        one, streamed = on_threads(ext, 1, ext.linear, row, parts, activations)
         assert streamed == (n_out if streams else 0), activations
         assert torch.equal(one[0], ext.linear(x, parts, activations)[0]), activations
-        top, streamed = one_thread_streams(ext, 1, lambda: ext.linear_argmax(x[:1].contiguous(), parts, activations))
+        top, streamed = on_threads(ext, 1, ext.linear_argmax, row, parts, activations)
         assert top.item() == one.argmax().item() and streamed == (n_out if streams else 0)
-        again, streamed = one_thread_streams(ext, 2, lambda: ext.linear(x[:1].contiguous(), parts, activations))
+        again, streamed = on_threads(ext, 2, ext.linear, row, parts, activations)
         assert torch.equal(again, one) and streamed == 0
         if activations == "none":
             assert_close_to(one, reference(x[:1], parts, k_in), x[:1], parts, k_in)
