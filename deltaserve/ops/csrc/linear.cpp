@@ -438,12 +438,12 @@ int64_t slice_width(const WeightPart& p, int R, int64_t K) {
 // quarter of them each (block j: rows j, j + L, j + 2L, j + 3L), rather than blocks of consecutive rows: four
 // long sequential streams, which the hardware's prefetchers keep ahead of the loads, where blocks of 8 rows
 // are 8 short ones that need software prefetching (dot_block). The same sums as any other block (dot_block).
-// Measured (an AMD EPYC Zen 4, 1 thread, bf16, every projection of a decode step at the Qwen3.5-0.8B shape
-// streamed from the checkpoint's mapped file, best of 6 sweeps): 20-21.6 -> 23-26.5 GB/s (a torch sum read
-// 24-25); 2 threads 38.4 / 27.1 -> 49.4 / 35.2 in two runs. Software prefetching of each stream 1 or 2 KB
-// ahead, 8 streams, and 4 streams of 2 adjacent rows were slower. Four accumulators are 4 FMA chains: weights
-// in cache compute about 0.75x as fast as blocks of 8 (a 1 MB matrix read 2000 times: 40 against 54 GB/s),
-// so only runs of kStreamedBytes or more take streams.
+// Measured (an AMD EPYC Zen 4, 1 thread, every projection of a decode step at the Qwen3.5-0.8B shape read
+// from the checkpoint's mapped file, old and new build alternating in one process): bf16 1.08-1.16x, int8
+// 1.16x, int4 1.09x (int_streams); at two threads they do not pay (reads_as_streams, linear.h). Software
+// prefetching of each stream 1 or 2 KB ahead, 8 streams, and 4 streams of 2 adjacent rows were slower. Four
+// accumulators are 4 FMA chains: weights in cache compute about 0.75x as fast as blocks of 8 (a 1 MB matrix
+// read 2000 times: 40 against 54 GB/s), so only runs of kStreamedBytes or more take streams.
 template <Format F>
 void dot_streams(const WeightPart& p, int64_t row0, int64_t count, const float* x, int64_t K, float* y) {
   const int64_t L = count / kStreams;
