@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -357,15 +358,7 @@ void dot_block(const WeightPart& p, int64_t row0, const float* x, int64_t K, flo
     return;
   }
   DS_UNROLL
-  for (int r = 0; r < R; ++r) {
-    float sums[NO];
-    float* out = step == 1 ? y + r * ldy : sums;
-    DS_UNROLL
-    for (int q = 0; q < NO; q += 4) store_sums4(acc[r] + q, std::min(4, NO - q), out + q);
-    if (step == 1) continue;
-    DS_UNROLL
-    for (int j = 0; j < NO; ++j) y[r * ldy + j * step] = sums[j];
-  }
+  for (int r = 0; r < R; ++r) store_sums<NO>(acc[r], y + r * ldy, step);
 #elif defined(DELTASERVE_AVX2)
   (void)slice, (void)step;  // the AVX2 path takes K in one pass (slice_width) and outputs one row apart
   dot_block_avx2<F, NO, R>(p, row0, x, K, y, ldy);
@@ -446,11 +439,9 @@ int64_t slice_width(const WeightPart& p, int R, int64_t K) {
 // read 2000 times: 40 against 54 GB/s), so only runs of kStreamedBytes or more take streams.
 template <Format F>
 void dot_streams(const WeightPart& p, int64_t row0, int64_t count, const float* x, int64_t K, float* y) {
-  const int64_t L = count / kStreams;
-  const KSlice whole{0, K, nullptr};
-  for (int64_t j = 0; j < L; ++j) dot_block<F, kStreams, 1>(p, row0 + j, x, K, y + j, 0, whole, L);
-  for (int64_t j = kStreams * L; j < count; ++j) dot_block<F, 1, 1>(p, row0 + j, x, K, y + j, 0, whole);
-  count_streamed_outputs(count);
+  for_streams(count, [&](auto NO, int64_t j, int64_t step) {
+    dot_block<F, decltype(NO)::value, 1>(p, row0 + j, x, K, y + j, 0, KSlice{0, K, nullptr}, step);
+  });
 }
 #endif
 
@@ -967,41 +958,30 @@ void project_rows(const Linear& l, const float* xp, int64_t R0, int64_t R1, cons
     }
 #endif
     at::parallel_for(0, P, grain_for((r1 - r0) * K * kPanel), [&](int64_t p0, int64_t p1) {
-      // each row's best output of panel p, whose outputs are out's first columns (rows ldo apart)
-      const auto keep_best = [&](const float* out, int64_t ldo, int64_t p) {
-        const int64_t ncols = std::min(kPanel, N - p * kPanel);
-        for (int64_t r = 0; r < r1 - r0; ++r) {
-          const int64_t at = first_argmax(out + r * ldo, ncols);
-          best_value[(r0 - R0 + r) * P + p] = out[r * ldo + at];
-          best_column[(r0 - R0 + r) * P + p] = p * kPanel + at;
-        }
-      };
+      // Panels per call: one (the packed kernel's tile), or for one row (decode) all the thread's, so that its
+      // weight rows stream as long runs (dot_streams, int_streams).
+      const int64_t span = T == 1 ? p1 - p0 : 1;
       std::vector<float> tile;
-      if (T == 1) {  // one row (decode): all the thread's panels in one call, so that its weight rows stream
-                     // as long runs (dot_streams, int_streams)
-        const int64_t n0 = p0 * kPanel, n1 = std::min(N, p1 * kPanel);
-        std::vector<float> local(yp == nullptr ? n1 - n0 : 0);  // the outputs, for argmax
-        float* out = yp != nullptr ? yp + (r0 - R0) * N + n0 : local.data();
-        if (int8_rows.defined()) {
-          int_panel(l, int8_rows, xp, r0, r1, n0, n1 - n0, false, tile, out, N);
-        } else {
-          dot_outputs(l, xp + r0 * K, 1, n0, n1 - n0, out, N);
-        }
-        for (int64_t p = p0; yp == nullptr && p < p1; ++p) keep_best(out + (p * kPanel - n0), N, p);
-        return;
-      }
-      std::vector<float> local(yp == nullptr ? (r1 - r0) * kPanel : 0);  // the panel's outputs, for argmax
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t n0 = p * kPanel, ncols = std::min(kPanel, N - n0);
-        float* out = yp != nullptr ? yp + (r0 - R0) * N + n0 : local.data();
-        const int64_t ldo = yp != nullptr ? N : kPanel;
+      // a call's outputs, for argmax (left uninitialized: the kernels write every one)
+      std::unique_ptr<float[]> local(yp == nullptr ? new float[(r1 - r0) * span * kPanel] : nullptr);
+      for (int64_t p = p0; p < p1; p += span) {
+        const int64_t n0 = p * kPanel, ncols = std::min(span * kPanel, N - n0);
+        float* out = yp != nullptr ? yp + (r0 - R0) * N + n0 : local.get();
+        const int64_t ldo = yp != nullptr ? N : span * kPanel;
         if (int8_rows.defined()) {
           int_panel(l, int8_rows, xp, r0, r1, n0, ncols, packed, tile, out, ldo);
         } else {
           project_panel(l, xp + r0 * K, r1 - r0, n0, ncols, packed, tile, out, ldo,
                         x_pairs.empty() ? nullptr : x_pairs.data(), ld_pairs);
         }
-        if (yp == nullptr) keep_best(out, kPanel, p);
+        for (int64_t q = p; yp == nullptr && q < p + span; ++q) {  // each row's best output of each panel
+          const int64_t c0 = (q - p) * kPanel, width = std::min(kPanel, N - q * kPanel);
+          for (int64_t r = 0; r < r1 - r0; ++r) {
+            const int64_t at = first_argmax(out + r * ldo + c0, width);
+            best_value[(r0 - R0 + r) * P + q] = out[r * ldo + c0 + at];
+            best_column[(r0 - R0 + r) * P + q] = q * kPanel + at;
+          }
+        }
       }
     });
   }

@@ -52,6 +52,16 @@ inline bool reads_as_streams(int64_t bytes) { return bytes >= kStreamedBytes && 
 int64_t dot_streamed_outputs();
 void count_streamed_outputs(int64_t n);
 
+// The streams' blocks of count outputs: block(NO, j, step) computes outputs j, j + step, ... (NO of them), for
+// j < L = count / kStreams with NO = kStreams and step L, then the count % kStreams left one at a time.
+template <typename Block>
+void for_streams(int64_t count, Block&& block) {
+  const int64_t L = count / kStreams;
+  for (int64_t j = 0; j < L; ++j) block(std::integral_constant<int, kStreams>{}, j, L);
+  for (int64_t j = kStreams * L; j < count; ++j) block(std::integral_constant<int, 1>{}, j, 1);
+  count_streamed_outputs(count);
+}
+
 // Outputs are computed 64 at a time (a "panel": what a thread takes, what the argmax and the greedy screen
 // reduce over).
 constexpr int64_t kPanel = 64;
@@ -96,8 +106,8 @@ void apply_rows(const Linear& l, const float* x, int64_t r0, int64_t r1, const A
 // (project_panel) gives the very numbers apply() gives.
 inline bool packed_rows(int64_t T) { return T > kDotRows; }
 
-// out[r * ldo + j] = x[r] . w[n0 + j] for rows r < rows, outputs j < ncols <= 64, on the calling thread, by
-// the packed kernel or the dot-product one (tile: the packed kernel's scratch, resized here). x_pairs: x's
+// out[r * ldo + j] = x[r] . w[n0 + j] for rows r < rows, outputs j < ncols (at most 64 for the packed kernel),
+// on the calling thread, by the packed kernel or the dot-product one (tile: the packed kernel's scratch, resized here). x_pairs: x's
 // rows already as bf16 pairs (bf16 activations, AVX512-BF16 builds: ld_pairs words a row), else null.
 void project_panel(const Linear& l, const float* x, int64_t rows, int64_t n0, int64_t ncols, bool packed,
                    std::vector<float>& tile, float* out, int64_t ldo, const uint32_t* x_pairs = nullptr,

@@ -332,23 +332,17 @@ void int_block(const WeightPart& p, int64_t row0, const QuantizedRows& q, int64_
       }
     }
   }
-  for (int r = 0; r < R; ++r) {  // (store_sums4: short rows, an expert's 256 inputs, spend a fifth on the sums)
-    float sums[NO];
-    float* out = step == 1 ? y + r * ldy : sums;
-    for (int j = 0; j < NO; j += 4) store_sums4(acc[r] + j, std::min(4, NO - j), out + j);
-    if (step == 1) continue;
-    for (int j = 0; j < NO; ++j) y[r * ldy + j * step] = sums[j];
-  }
+  // (store_sums4, under store_sums: short rows, an expert's 256 inputs, spend a fifth on the sums)
+  for (int r = 0; r < R; ++r) store_sums<NO>(acc[r], y + r * ldy, step);
 }
 
 // Outputs [row0, row0 + count) of part p for one row of q (t0), its weight rows read as kStreams runs at once
 // (dot_streams, linear.cpp, says why).
 template <Format F>
 void int_streams(const WeightPart& p, int64_t row0, int64_t count, const QuantizedRows& q, int64_t t0, float* y) {
-  const int64_t L = count / kStreams;
-  for (int64_t j = 0; j < L; ++j) int_block<F, kStreams, 1>(p, row0 + j, q, t0, y + j, 0, L);
-  for (int64_t j = kStreams * L; j < count; ++j) int_block<F, 1, 1>(p, row0 + j, q, t0, y + j, 0);
-  count_streamed_outputs(count);
+  for_streams(count, [&](auto NO, int64_t j, int64_t step) {
+    int_block<F, decltype(NO)::value, 1>(p, row0 + j, q, t0, y + j, 0, step);
+  });
 }
 
 // Outputs [row0, row0 + count) of part p for rows t < T of q from t0: one row 8 outputs at a time, or 4 where

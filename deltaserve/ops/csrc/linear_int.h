@@ -106,9 +106,10 @@ void quantize_activations_into(std::initializer_list<const Linear*> ls, const fl
 // to's buffers reused.
 void gather_rows(const ActivationRows& from, const int64_t* rows, int64_t n, ActivationRows& to);
 
-// out[r * ldo + j] = row r0 + r of x times output n0 + j for r < r1 - r0, j < ncols (one panel): the
-// int8-activation parts through the integer kernel (AMX tiles, VNNI lanes or plain loops, as their rows were
-// quantized) or the packed one over x~, the others through project_panel (packed: its kernel).
+// out[r * ldo + j] = row r0 + r of x times output n0 + j for r < r1 - r0, j < ncols (one panel, or a one-row
+// call's many: project_rows): the int8-activation parts through the integer kernel (AMX tiles, VNNI lanes or
+// plain loops, as their rows were quantized) or the packed one over x~, the others through project_panel
+// (packed: its kernel).
 void int_panel(const Linear& l, const ActivationRows& a, const float* x, int64_t r0, int64_t r1, int64_t n0,
                int64_t ncols, bool packed, std::vector<float>& tile, float* out, int64_t ldo);
 

@@ -53,6 +53,16 @@ inline void store_sums4(const __m512* acc, int n, float* y) {
   const __m512 d = _mm512_add_ps(c, _mm512_shuffle_f32x4(c, c, 0xB1));
   _mm_mask_storeu_ps(y, static_cast<__mmask8>((1u << n) - 1), _mm512_castps512_ps128(d));
 }
+
+// The sums of a block's N accumulators into y[0], y[step], y[2 step], ... (store_sums4, 4 at a time).
+template <int N>
+inline void store_sums(const __m512* acc, float* y, int64_t step) {
+  float sums[N];
+  float* out = step == 1 ? y : sums;
+  for (int j = 0; j < N; j += 4) store_sums4(acc + j, std::min(4, N - j), out + j);
+  if (step == 1) return;
+  for (int j = 0; j < N; ++j) y[j * step] = sums[j];
+}
 #endif
 
 #if defined(DELTASERVE_AVX2)

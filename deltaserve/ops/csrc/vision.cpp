@@ -239,15 +239,16 @@ void f32_outputs(const float* p, int64_t n_pad, int64_t n, const float* values, 
 }
 #endif
 
-// The segments (frames) of N rows, checked (positive row counts summing to N): each one's first row, and the
-// longest.
+// The segments (frames) of N rows, checked (positive row counts summing to N): their row counts, each one's
+// first row, and the longest.
 struct Segments {
-  std::vector<int64_t> starts;
+  std::vector<int64_t> rows, starts;
   int64_t longest = 0;
 };
 
 Segments checked_segments(const std::vector<int64_t>& segments, int64_t N) {
   Segments out;
+  out.rows = segments;
   int64_t rows = 0;
   for (int64_t n : segments) {
     TORCH_CHECK(n > 0, "segments: positive row counts, got ", n);
@@ -262,16 +263,15 @@ Segments checked_segments(const std::vector<int64_t>& segments, int64_t N) {
 // out [N, heads * hd] = softmax(q k^T / sqrt(hd)) v for each head within each segment of consecutive rows, with
 // q, k, v read from qkv [N, 3, heads, hd]. A thread takes (segment, head) pairs: their keys transposed into
 // [hd, n] and their values into [n, hd] rows, both zero-padded to the blocks, once per pair.
-void segment_attention(const float* qkv, int64_t heads, int64_t hd, const std::vector<int64_t>& segments,
-                       const Segments& frames, float* out) {
+void segment_attention(const float* qkv, int64_t heads, int64_t hd, const Segments& frames, float* out) {
   const int64_t stride = 3 * heads * hd;  // from one row of qkv to the next
   const int64_t hd_pad = round_up(hd, kDimBlock);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int64_t items = static_cast<int64_t>(segments.size()) * heads;
+  const int64_t items = static_cast<int64_t>(frames.rows.size()) * heads;
   at::parallel_for(0, items, grain_for(2 * frames.longest * frames.longest * hd), [&](int64_t begin, int64_t end) {
     std::vector<float> keys, values, scores, scaled;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / heads, h = item % heads, start = frames.starts[s], n = segments[s];
+      const int64_t s = item / heads, h = item % heads, start = frames.starts[s], n = frames.rows[s];
       const int64_t n_pad = round_up(n, kKeyBlock);
       keys.assign(hd * n_pad, 0.0f);
       values.assign(n * hd_pad, 0.0f);
@@ -625,7 +625,7 @@ void vision_block_f32(const at::Tensor& x, const VisionBlockWeights& w, const at
 #endif
   } else {
     attended = at::empty({N, hidden}, x.options());
-    segment_attention(qkv_p, heads, hd, segments, frames, attended.data_ptr<float>());
+    segment_attention(qkv_p, heads, hd, frames, attended.data_ptr<float>());
   }
   const at::Tensor out = project(w.proj, attended);
   at::Tensor hidden_act = project(w.fc1, add_layer_norm_f32(x, out.data_ptr<float>(), w.norm2), &w.act);
